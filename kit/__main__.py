@@ -1,0 +1,5 @@
+import sys
+
+from kit.runner import main
+
+sys.exit(main())

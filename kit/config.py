@@ -1,0 +1,245 @@
+"""One validated configuration: the model's architecture and the run's settings.
+
+Every chapter builds a `Settings` with `load(preset, **overrides)` and passes it down. Names
+follow vLLM's (`max_num_batched_tokens`, `max_num_seqs`, `gpu_memory_utilization`, ...), so a
+learner can move between the kit and the engine. Validation happens here, before any heavy
+work, and every error says what to change.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+MODELS_DIR = DATA / "models"
+PRESETS_DIR = DATA / "presets"
+DEFAULT_PRESET = "cpu-small"
+
+# model_type in config.json -> what the decoder needs to know about the family.
+FAMILIES = {
+    "llama": {"attention_bias": False, "gemma_norm": False},
+    "mistral": {"attention_bias": False, "gemma_norm": False},
+    "qwen2": {"attention_bias": True, "gemma_norm": False},
+    "gemma": {"attention_bias": False, "gemma_norm": True},
+}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32"}
+ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
+
+
+class ConfigError(ValueError):
+    """A parameter is wrong; the message says which and what to change."""
+
+
+def known_names(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's architecture, read from a Hugging Face style config.json."""
+
+    name: str
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    gemma_norm: bool
+    torch_dtype: str
+
+    @classmethod
+    def from_dict(cls, hf: dict, name: str) -> "ModelConfig":
+        family = hf.get("model_type")
+        if family not in FAMILIES:
+            raise ConfigError(
+                f"model {name!r}: model_type {family!r} is not supported; the kit's decoder "
+                f"covers {sorted(FAMILIES)} (Llama-style RMSNorm, RoPE, gated MLP).")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if k not in hf]
+        if missing:
+            raise ConfigError(f"model {name!r}: config.json lacks {missing}")
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ConfigError(f"model {name!r}: num_attention_heads={heads} is not a multiple "
+                              f"of num_key_value_heads={kv_heads}")
+        act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if family == "gemma" and act == "gelu":
+            act = "gelu_pytorch_tanh"  # what Gemma actually runs (vLLM does the same)
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
+        return cls(
+            name=name, family=family,
+            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
+            hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", FAMILIES[family]["attention_bias"]),
+            gemma_norm=FAMILIES[family]["gemma_norm"],
+            torch_dtype=hf.get("torch_dtype", "bfloat16"),
+        )
+
+    @classmethod
+    def load(cls, model: str) -> "ModelConfig":
+        """`model` is a preset name (a file under data/models/) or a path to a config.json."""
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            path = MODELS_DIR / f"{model}.json"
+        if not path.is_file():
+            raise ConfigError(f"unknown model {model!r}: give one of {known_names(MODELS_DIR)} "
+                              "or the path of a Hugging Face style config.json")
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return cls.from_dict(json.loads(path.read_text()), name)
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (the model's real count must equal it)."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
+            self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return embed + self.num_hidden_layers * layer + h + head
+
+    def hf_dict(self) -> dict:
+        """The config.json that vLLM or transformers would read for this architecture."""
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "gemma": "GemmaForCausalLM"}[self.family]
+        return {
+            "architectures": [arch], "model_type": self.family,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "hidden_act": self.hidden_act, "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+        }
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int | None:
+    """`2GiB`, `512 MiB`, `16e9` or an int -> bytes; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"device_memory={value!r}: write a size such as 16GiB, 512MiB or a "
+                          "number of bytes")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's settings. Build it with `load()`; every chapter takes one."""
+
+    preset: str
+    model: str
+    device: str
+    dtype: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    device_memory: int | None
+    block_size: int
+    batch_size: int
+    input_len: int
+    output_len: int
+    seed: int
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "device_memory", parse_bytes(self.device_memory))
+        self._check_positive()
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
+                              "(0, 1]: it is the fraction of device memory the engine may use")
+        arch = ModelConfig.load(self.model)
+        object.__setattr__(self, "arch", arch)
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ConfigError(f"max_model_len={self.max_model_len} is beyond {arch.name}'s "
+                              f"max_position_embeddings={arch.max_position_embeddings}; lower it")
+        if self.input_len + self.output_len > self.max_model_len:
+            raise ConfigError(f"input_len + output_len = {self.input_len + self.output_len} "
+                              f"exceeds max_model_len={self.max_model_len}")
+        if self.batch_size > self.max_num_seqs:
+            raise ConfigError(f"batch_size={self.batch_size} is above max_num_seqs="
+                              f"{self.max_num_seqs}; raise max_num_seqs or lower batch_size")
+        object.__setattr__(self, "dtype", self._resolve_dtype(arch))
+        from kit.device import resolve_device  # torch import kept out of pure config loading
+        object.__setattr__(self, "device", resolve_device(self.device))
+
+    def _check_positive(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "batch_size", "input_len", "output_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive whole number")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise ConfigError(f"device_memory={self.device_memory} must be positive")
+
+    def _resolve_dtype(self, arch: ModelConfig) -> str:
+        dtype = arch.torch_dtype if self.dtype == "auto" else self.dtype
+        dtype = DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype={self.dtype!r}: use 'auto' or one of {sorted(DTYPE_BYTES)}")
+        return dtype
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PARAMETERS = tuple(f.name for f in fields(Settings) if f.name not in ("preset", "description"))
+
+
+def read_preset(preset: str) -> dict:
+    path = PRESETS_DIR / f"{preset}.json"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {preset!r}: give one of {known_names(PRESETS_DIR)}")
+    return json.loads(path.read_text())
+
+
+def check_names(names) -> None:
+    unknown = sorted(set(names) - set(PARAMETERS))
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
+
+
+def load(preset: str = DEFAULT_PRESET, **overrides) -> Settings:
+    """Settings of `preset` with `overrides` applied; a value of None keeps the preset's."""
+    check_names(overrides)
+    values = read_preset(preset)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(preset=preset, **values)

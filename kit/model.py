@@ -1,0 +1,178 @@
+"""A Llama/Gemma-family decoder in plain PyTorch (chapters 01, 03, 04).
+
+RMSNorm, rotary position embeddings, grouped- or multi-query attention and a gated MLP, with
+random weights drawn from a seed. `forward` runs prefill over a batch of equal-length
+sequences (as vLLM's profiling run does) and returns hidden states; `compute_logits` is applied
+to one position per sequence, as an engine's sampler does. Attention is one method,
+`Attention.attend`, so the paged decode of chapter 04 can replace it without touching the rest.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kit.config import ModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, gemma: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps, self.gemma = eps, gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        # Gemma stores the scale as an offset from 1.
+        return (xf * (1.0 + w if self.gemma else w)).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos and sin of shape [tokens, head_dim / 2] for the rotary embedding."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim], rotating the two halves (the NeoX layout Llama uses)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        q, kv, bias = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            arch.attention_bias
+        self.q_proj = nn.Linear(arch.hidden_size, q, bias=bias)
+        self.k_proj = nn.Linear(arch.hidden_size, kv, bias=bias)
+        self.v_proj = nn.Linear(arch.hidden_size, kv, bias=bias)
+        self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, num_seqs: int):
+        tokens = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        out = self.attend(q, k, v, num_seqs)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def attend(self, q, k, v, num_seqs: int):
+        """Causal attention within each of `num_seqs` equal-length sequences."""
+        def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
+            return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            per_seq(q), per_seq(k), per_seq(v), is_causal=True,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gelu = arch.hidden_act != "silu"
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                                arch.gemma_norm)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, cos, sin, num_seqs: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The whole model. Build it with `build_model`, which places and initializes the weights."""
+
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
+        self.lm_head = None if arch.tie_word_embeddings else \
+            nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.arch.gemma_norm:  # Gemma scales embeddings by sqrt(hidden_size), in the model dtype
+            x = x * self.arch.hidden_size ** 0.5
+        return x
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill. input_ids: [num_seqs, seq_len] -> hidden states [num_seqs, seq_len, hidden]."""
+        num_seqs, seq_len = input_ids.shape
+        positions = torch.arange(seq_len, device=input_ids.device).repeat(num_seqs)
+        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        x = self.embed(input_ids.reshape(-1))
+        for layer in self.layers:
+            x = layer(x, cos, sin, num_seqs)
+        return self.norm(x).view(num_seqs, seq_len, -1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Random weights from `seed`, the same on every run of the same device."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.fill_(0.0 if model.arch.gemma_norm else 1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def build_model(arch: ModelConfig, dtype: str, device: str, seed: int = 0) -> Decoder:
+    """Allocate the weights directly on `device` in `dtype` (no fp32 copy) and draw them."""
+    with torch.device("meta"):
+        model = Decoder(arch).to(torch_dtype(dtype))
+    model = model.to_empty(device=device)
+    init_weights(model, seed)
+    return model.eval().requires_grad_(False)
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Parameter bytes, each shared tensor counted once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def dummy_batch(num_tokens: int, max_num_seqs: int, vocab_size: int, device: str, seed: int = 0):
+    """Token ids [num_seqs, seq_len] holding exactly `num_tokens` tokens, in as many equal
+    sequences as possible up to `max_num_seqs` (vLLM's profiling run also splits its tokens
+    over up to max_num_seqs requests)."""
+    num_seqs = max(d for d in range(1, min(max_num_seqs, num_tokens) + 1) if num_tokens % d == 0)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num_seqs, num_tokens // num_seqs), generator=gen)
+    return ids.to(device)

@@ -1,0 +1,97 @@
+"""Figures for the chapters (plotly), so notebooks stay thin."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+MiB = 2**20
+COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "non-torch": "#937860",
+          "KV cache": "#55a868", "unused": "#d0d0d0", "short": "#c44e52"}
+
+
+def memory_breakdown(profiles: dict) -> go.Figure:
+    """Stacked bars, one per strategy: where the device's memory goes."""
+    fig = go.Figure()
+    names = list(profiles)
+    parts = {
+        "weights": [p.weights_bytes for p in profiles.values()],
+        "activations": [p.peak_activation_bytes for p in profiles.values()],
+        "non-torch": [p.non_torch_bytes or 0 for p in profiles.values()],
+        "KV cache": [max(0, p.kv_cache_bytes) for p in profiles.values()],
+        "unused": [p.capacity_bytes - p.budget_bytes for p in profiles.values()],
+    }
+    for part, values in parts.items():
+        fig.add_bar(name=part, x=names, y=[v / MiB for v in values], marker_color=COLORS[part],
+                    hovertemplate="%{x}: %{y:,.1f} MiB<extra>" + part + "</extra>")
+    fig.update_layout(barmode="stack", yaxis_title="MiB", title="Where the device memory goes",
+                      legend_traceorder="normal")
+    return fig
+
+
+def activation_bars(profiles: dict) -> go.Figure:
+    """Peak activation bytes per strategy: the number the KV cache budget depends on."""
+    fig = go.Figure(go.Bar(x=list(profiles),
+                           y=[p.peak_activation_bytes / MiB for p in profiles.values()],
+                           marker_color=COLORS["activations"],
+                           text=[f"{p.peak_activation_bytes / MiB:,.1f} MiB"
+                                 for p in profiles.values()]))
+    fig.update_layout(yaxis_title="MiB", title="Peak activation memory of the profiling run")
+    return fig
+
+
+def memory_timeline(profiles: dict) -> go.Figure:
+    """Live bytes above weights + inputs over the profiling forward, one line per strategy."""
+    fig = go.Figure()
+    for name, p in profiles.items():
+        fig.add_scatter(x=p.timeline_ms, y=[b / MiB for b in p.timeline_bytes], name=name,
+                        mode="lines", line_shape="hv", text=p.timeline_ops,
+                        hovertemplate="%{x:.2f} ms: %{y:,.2f} MiB<br>%{text}<extra>"
+                        + name + "</extra>")
+    fig.update_layout(xaxis_title="time in the forward (ms)",
+                      yaxis_title="live activation MiB (above weights + inputs)",
+                      title="Memory timeline of the profiling run")
+    return fig
+
+
+def measured_vs_published(rows: list[tuple[str, float, float]], title: str) -> go.Figure:
+    """Grouped bars of (label, measured, published) ratios."""
+    fig = go.Figure()
+    labels = [r[0] for r in rows]
+    fig.add_bar(name="measured here", x=labels, y=[r[1] for r in rows])
+    fig.add_bar(name="published (seed)", x=labels, y=[r[2] for r in rows])
+    fig.update_layout(barmode="group", title=title)
+    return fig
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+class Table:
+    """A small table that shows as HTML in JupyterLab and as text in logs."""
+
+    def __init__(self, rows: list[dict], title: str = ""):
+        self.rows, self.title = rows, title
+        self.columns = list(dict.fromkeys(k for r in rows for k in r))
+
+    def _cells(self, row):
+        return [str(row.get(c, "")) for c in self.columns]
+
+    def __repr__(self):
+        widths = [max([len(c)] + [len(self._cells(r)[i]) for r in self.rows])
+                  for i, c in enumerate(self.columns)]
+        lines = [self.title] if self.title else []
+        lines.append("  ".join(c.ljust(w) for c, w in zip(self.columns, widths)))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(self._cells(r), widths)) for r in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self):
+        head = "".join(f"<th>{c}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in self._cells(r)) + "</tr>"
+                       for r in self.rows)
+        caption = f"<caption>{self.title}</caption>" if self.title else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -1,0 +1,87 @@
+"""Recorded results and checks: what every chapter leaves behind for the runner to collect.
+
+A notebook makes one `Recorder`, records numbers and checks as it goes (each written to disk at
+once, so results survive a failure later in the notebook) and calls `finish()` last, which
+shows the checks and raises if one failed, so papermill marks the notebook as failed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from kit.config import DATA
+
+RUN_DIR_ENV = "KIT_RUN_DIR"
+
+
+def run_dir() -> Path:
+    """The runner's run folder (it sets KIT_RUN_DIR), else runs/interactive for JupyterLab."""
+    path = Path(os.environ.get(RUN_DIR_ENV) or DATA.parent / "runs" / "interactive")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def plain(value):
+    """Numbers from torch or numpy as plain JSON values."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+class Recorder:
+    def __init__(self, chapter: str, settings=None):
+        self.chapter = chapter
+        self.path = run_dir() / f"{chapter}.json"
+        self.data = {"chapter": chapter, "settings": plain(settings.as_dict()) if settings else {},
+                     "results": {}, "checks": [], "figures": []}
+        self._save()
+
+    def _save(self):
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+    def record(self, **results):
+        """Record named results (numbers, strings, small dicts)."""
+        self.data["results"].update(plain(results))
+        self._save()
+
+    def check(self, name: str, ok, detail: str = "") -> bool:
+        """Record a check; it fails the notebook at `finish()`, not here, so all are seen."""
+        ok = bool(ok)
+        self.data["checks"].append({"name": name, "ok": ok, "detail": detail})
+        self._save()
+        print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else ""))
+        return ok
+
+    def figure(self, name: str, fig):
+        """Keep the figure's JSON with the run, and return it for display."""
+        folder = self.path.parent / "figures"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{self.chapter}--{name}.json"
+        path.write_text(fig.to_json())
+        self.data["figures"].append(path.name)
+        self._save()
+        return fig
+
+    def failed(self) -> list[dict]:
+        return [c for c in self.data["checks"] if not c["ok"]]
+
+    def finish(self):
+        checks = self.data["checks"]
+        print(f"{self.chapter}: {len(checks) - len(self.failed())}/{len(checks)} checks passed; "
+              f"results in {self.path}")
+        if not checks:
+            raise CheckFailed(f"{self.chapter} recorded no checks")
+        if self.failed():
+            raise CheckFailed("failed: " + "; ".join(c["name"] for c in self.failed()))

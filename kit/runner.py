@@ -1,0 +1,182 @@
+"""Run the chapters headless with papermill, collect their results, and say what failed.
+
+    python -m kit run [--preset NAME] [NOTEBOOK ...] [-p NAME=VALUE ...] [--out DIR]
+
+Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
+each chapter's recorded results and checks (JSON), its figures, and `summary.json` with the
+parameters, device and versions. A failing notebook does not stop the others; the summary names
+its failing cell. The exit status is non-zero when any notebook or check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, ConfigError, known_names, load
+
+NOTEBOOKS_DIR = DATA.parent / "notebooks"
+
+
+def find_notebooks(names: list[str]) -> list[Path]:
+    """All chapters in order, or those named by path, file stem or number prefix ("01")."""
+    chapters = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        return chapters
+    found = []
+    for name in names:
+        path = Path(name)
+        if path.suffix == ".ipynb" and path.is_file():
+            found.append(path.resolve())
+            continue
+        matches = [c for c in chapters if c.stem == name or c.stem.startswith(name + "_")]
+        if len(matches) != 1:
+            raise ConfigError(f"unknown notebook {name!r}: give a path or one of "
+                              f"{[c.stem for c in chapters]}")
+        found.append(matches[0])
+    return found
+
+
+def parse_params(pairs: list[str]) -> dict:
+    """NAME=VALUE pairs; VALUE is a Python literal when it parses as one, else a string."""
+    params = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"-p {pair!r}: write NAME=VALUE")
+        try:
+            params[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            params[name] = value
+    return params
+
+
+def notebook_parameters(path: Path) -> set[str]:
+    import papermill
+    return set(papermill.inspect_notebook(str(path)))
+
+
+def validate(preset: str, notebooks: list[Path], params: dict) -> dict[Path, set[str]]:
+    """Refuse unknown names and bad values before any notebook runs."""
+    declared = {nb: notebook_parameters(nb) for nb in notebooks}
+    known = set().union(*declared.values()) if declared else set()
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {unknown}; these notebooks take "
+                          f"{sorted(known - {'preset'})}")
+    load(preset, **{k: v for k, v in params.items() if k != "preset"})
+    return declared
+
+
+def new_run_dir(root: Path, preset: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        path = root / f"{stamp}-{preset}" if i == 0 else root / f"{stamp}-{preset}-{i}"
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {root}")
+
+
+def execute(nb: Path, run: Path, parameters: dict, progress: bool) -> dict:
+    """Run one notebook; return its status (and failing cell) plus its recorded results."""
+    import papermill
+    out = run / nb.name
+    t0 = time.perf_counter()
+    status = {"notebook": nb.stem, "executed": str(out), "ok": True, "error": None}
+    try:
+        papermill.execute_notebook(str(nb), str(out), parameters=parameters, cwd=str(run),
+                                   kernel_name="python3", progress_bar=progress)
+    except papermill.PapermillExecutionError as e:
+        status.update(ok=False, error={"cell_index": e.cell_index,
+                                       "execution_count": e.exec_count,
+                                       "ename": e.ename, "evalue": e.evalue})
+    except Exception as e:  # a kernel that died or a notebook that would not start
+        status.update(ok=False, error={"cell_index": None, "ename": type(e).__name__,
+                                       "evalue": str(e)})
+    status["seconds"] = round(time.perf_counter() - t0, 2)
+    recorded = run / f"{nb.stem}.json"
+    status["recorded"] = json.loads(recorded.read_text()) if recorded.is_file() else None
+    checks = (status["recorded"] or {}).get("checks", [])
+    status["checks_failed"] = [c["name"] for c in checks if not c["ok"]]
+    status["checks_passed"] = sum(c["ok"] for c in checks)
+    status["ok"] = status["ok"] and not status["checks_failed"]
+    return status
+
+
+def describe_failure(s: dict) -> str:
+    if s["ok"]:
+        return ""
+    err = s["error"]
+    where = f"cell {err['cell_index']}: " if err and err.get("cell_index") is not None else ""
+    what = f"{where}{err['ename']}: {err['evalue']}" if err else ""
+    if s["checks_failed"]:
+        what += (" | " if what else "") + "failed checks: " + "; ".join(s["checks_failed"])
+    return what.splitlines()[0] if what else "failed"
+
+
+def print_summary(statuses: list[dict], run: Path) -> None:
+    print(f"\n{'notebook':<28} {'status':<6} {'checks':>7} {'seconds':>8}  detail")
+    for s in statuses:
+        n = s["checks_passed"] + len(s["checks_failed"])
+        print(f"{s['notebook']:<28} {'ok' if s['ok'] else 'FAIL':<6} "
+              f"{s['checks_passed']:>3}/{n:<3} {s['seconds']:>8.1f}  {describe_failure(s)}")
+    print(f"\nrun folder: {run}")
+
+
+def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None = None,
+        out: Path | None = None, progress: bool = True) -> tuple[int, Path | None]:
+    """Run the notebooks; returns (exit status, run folder)."""
+    params = dict(params or {})
+    notebooks = find_notebooks(list(names))
+    declared = validate(preset, notebooks, params)
+    settings = load(preset, **{k: v for k, v in params.items() if k != "preset"})
+    run_path = new_run_dir(Path(out or Path.cwd() / "runs"), preset)
+    os.environ["KIT_RUN_DIR"] = str(run_path)
+    from kit.device import describe, versions
+    summary = {"preset": preset, "parameters": params, "settings": settings.as_dict(),
+               "machine": describe(settings.device), "versions": versions(), "notebooks": []}
+    t0 = time.perf_counter()
+    for i, nb in enumerate(notebooks, 1):
+        print(f"[{i}/{len(notebooks)}] {nb.stem} ...", flush=True)
+        nb_params = {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
+        status = execute(nb, run_path, nb_params, progress)
+        print(f"[{i}/{len(notebooks)}] {nb.stem}: {'ok' if status['ok'] else 'FAILED'} "
+              f"in {status['seconds']:.1f} s {describe_failure(status)}", flush=True)
+        summary["notebooks"].append(status)
+        summary["seconds"] = round(time.perf_counter() - t0, 2)
+        (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print_summary(summary["notebooks"], run_path)
+    return (0 if all(s["ok"] for s in summary["notebooks"]) else 1), run_path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run notebooks headless with a preset")
+    p_run.add_argument("notebooks", nargs="*", help="paths, stems or numbers such as 01")
+    p_run.add_argument("--preset", default=DEFAULT_PRESET,
+                       help=f"one of {known_names(PRESETS_DIR)} (default {DEFAULT_PRESET})")
+    p_run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
+    p_run.add_argument("--out", type=Path, help="where run folders go (default ./runs)")
+    p_run.add_argument("--no-progress", action="store_true")
+    sub.add_parser("presets", help="list the presets and what they set")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "presets":
+            for name in known_names(PRESETS_DIR):
+                print(f"{name}: {json.loads((PRESETS_DIR / f'{name}.json').read_text())}")
+            return 0
+        code, _ = run(args.preset, args.notebooks, parse_params(args.param), args.out,
+                      not args.no_progress)
+        return code
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,90 @@
+import json
+
+import pytest
+
+from kit.config import ConfigError, ModelConfig, PARAMETERS, load, parse_bytes
+
+# Published parameter counts of the real checkpoints these shapes come from.
+PUBLISHED_PARAMETERS = {"gemma-2b": 2_506_172_416, "llama-3.2-1b": 1_235_814_400,
+                        "qwen2.5-0.5b": 494_032_768, "llama-3.1-8b": 8_030_261_248}
+
+
+@pytest.mark.parametrize("name,count", PUBLISHED_PARAMETERS.items())
+def test_presets_match_published_parameter_counts(name, count):
+    assert ModelConfig.load(name).num_parameters() == count
+
+
+def test_presets_load_with_their_families():
+    assert ModelConfig.load("gemma-2b").gemma_norm and ModelConfig.load("gemma-2b").num_key_value_heads == 1
+    assert ModelConfig.load("qwen2.5-0.5b").attention_bias
+    assert ModelConfig.load("qwen2.5-0.5b").head_dim == 64  # derived: 896 / 14
+    assert ModelConfig.load("gemma-2b").hidden_act == "gelu_pytorch_tanh"
+
+
+def write_config(tmp_path, **changes):
+    hf = {**ModelConfig.load("tiny").hf_dict(), **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    return path
+
+
+def test_config_json_path_with_head_dim_unlike_hidden_over_heads(tmp_path):
+    path = write_config(tmp_path, head_dim=80, model_type="mistral")
+    s = load(model=str(path))
+    assert s.arch.head_dim == 80 and s.arch.family == "mistral"
+    assert load(model=str(tmp_path)).arch.head_dim == 80  # a folder holding config.json
+
+
+def test_unsupported_family_is_refused(tmp_path):
+    path = write_config(tmp_path, model_type="gpt2")
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        load(model=str(path))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"model": "nope"}, r"unknown model 'nope': give one of \['gemma-2b'"),
+    ({"gpu_memory_utilization": 0}, r"must be in \(0, 1\]"),
+    ({"gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0 must be a positive whole number"),
+    ({"max_num_seqs": -1}, "max_num_seqs=-1 must be a positive whole number"),
+    ({"input_len": 2.5}, "input_len=2.5 must be a positive whole number"),
+    ({"max_model_len": 4096}, "beyond tiny's max_position_embeddings=2048"),
+    ({"batch_size": 64}, "batch_size=64 is above max_num_seqs=8"),
+    ({"input_len": 1000, "output_len": 100}, "exceeds max_model_len=1024"),
+    ({"dtype": "int4"}, "dtype='int4'"),
+    ({"device": "tpu"}, "device='tpu'"),
+    ({"device_memory": "lots"}, "write a size such as 16GiB"),
+    ({"colour": "red"}, r"unknown parameter\(s\) \['colour'\]"),
+])
+def test_bad_settings_get_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load("cpu-small", **overrides)
+
+
+def test_unknown_preset_lists_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge': give one of \['cpu-real', 'cpu-small', 'gpu'\]"):
+        load("huge")
+
+
+def test_cuda_without_cuda_is_refused():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        load("cpu-small", device="cuda")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        load("gpu")
+
+
+def test_sizes_parse():
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("16GB") == 16 * 10**9
+    assert parse_bytes(1234) == 1234 and parse_bytes(None) is None
+
+
+def test_overrides_and_none_keep_the_preset():
+    s = load("cpu-small", max_num_batched_tokens=None, dtype="fp32")
+    assert s.max_num_batched_tokens == 2048 and s.dtype == "float32" and s.dtype_bytes == 4
+    assert s.device_memory == 2 * 2**30
+    assert set(PARAMETERS) >= {"model", "device", "max_num_batched_tokens", "gpu_memory_utilization"}

@@ -1,0 +1,105 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kit.config import ModelConfig
+from kit.model import apply_rope, build_model, dummy_batch, rope_cos_sin, weights_bytes
+
+
+def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
+    return ModelConfig.from_dict({
+        "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "vocab_size": 101, "max_position_embeddings": 256, **extra}, f"small-{family}")
+
+
+ARCHS = {
+    "gqa": small(),
+    "mqa-gemma": small("gemma", heads=4, kv_heads=1, head_dim=24, tie_word_embeddings=True,
+                       hidden_act="gelu"),
+    "mha-qwen2-bias": small("qwen2", heads=4, kv_heads=4, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("key", ARCHS)
+def test_shapes_and_weight_bytes(key):
+    arch = ARCHS[key]
+    model = build_model(arch, "bfloat16", "cpu", seed=0)
+    ids = dummy_batch(24, 3, arch.vocab_size, "cpu")
+    hidden = model(ids)
+    assert ids.shape == (3, 8) and hidden.shape == (3, 8, 64)
+    assert model.compute_logits(hidden[:, -1]).shape == (3, arch.vocab_size)
+    assert weights_bytes(model) == arch.num_parameters() * 2
+
+
+def test_float32_weights_bytes_exact():
+    arch = ModelConfig.load("tiny")
+    assert weights_bytes(build_model(arch, "float32", "cpu")) == arch.num_parameters() * 4
+
+
+def test_same_seed_same_output_other_seed_other_output():
+    arch = ARCHS["gqa"]
+    ids = dummy_batch(32, 4, arch.vocab_size, "cpu")
+    a = build_model(arch, "float32", "cpu", seed=1)(ids)
+    b = build_model(arch, "float32", "cpu", seed=1)(ids)
+    c = build_model(arch, "float32", "cpu", seed=2)(ids)
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+def reference_attention(q, k, v):
+    """Plain causal softmax attention for one sequence, KV heads repeated per query group."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
+    mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", weights, v)
+
+
+@pytest.mark.parametrize("key", ARCHS)
+def test_attention_matches_reference_and_keeps_sequences_apart(key):
+    arch = ARCHS[key]
+    attn = build_model(arch, "float32", "cpu").layers[0].self_attn
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2 * 5, arch.num_attention_heads, arch.head_dim, generator=gen)
+    k = torch.randn(2 * 5, arch.num_key_value_heads, arch.head_dim, generator=gen)
+    v = torch.randn(2 * 5, arch.num_key_value_heads, arch.head_dim, generator=gen)
+    out = attn.attend(q, k, v, num_seqs=2)
+    for s in range(2):
+        part = slice(5 * s, 5 * s + 5)
+        torch.testing.assert_close(out[part], reference_attention(q[part], k[part], v[part]))
+
+
+def test_sequences_in_a_batch_do_not_see_each_other():
+    arch = ARCHS["gqa"]
+    model = build_model(arch, "float32", "cpu")
+    ids = dummy_batch(20, 2, arch.vocab_size, "cpu", seed=3)
+    together = model(ids)
+    torch.testing.assert_close(together[1:], model(ids[1:]))
+
+
+def test_rope_rotates_pairs_and_keeps_norms():
+    x = torch.randn(6, 2, 8)
+    cos, sin = rope_cos_sin(torch.arange(6), 8, 10000.0)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[0], x[0])  # position 0 is not rotated
+    # position 1, first pair: a rotation by angle 1 rad (inv_freq[0] = 1)
+    x1, x2 = x[1, :, 0], x[1, :, 4]
+    torch.testing.assert_close(y[1, :, 0], x1 * math.cos(1) - x2 * math.sin(1))
+
+
+def test_dummy_batch_keeps_exact_token_count():
+    for tokens, seqs in [(2048, 8), (8192, 256), (1000, 7), (13, 8)]:
+        ids = dummy_batch(tokens, seqs, 50, "cpu")
+        assert ids.numel() == tokens and ids.shape[0] <= seqs
+
+
+def test_gemma_uses_tanh_gelu_and_offset_norm():
+    gemma = ARCHS["mqa-gemma"]
+    model = build_model(gemma, "float32", "cpu")
+    assert model.layers[0].mlp.gelu and model.layers[0].input_layernorm.gemma
+    x = torch.randn(3, 64)
+    assert torch.allclose(model.norm(x), F.rms_norm(x, (64,), eps=gemma.rms_norm_eps), atol=1e-5)
