@@ -97,7 +97,8 @@ def execute(nb: Path, run: Path, parameters: dict, progress: bool) -> dict:
     except papermill.PapermillExecutionError as e:
         status.update(ok=False, error={"cell_index": e.cell_index,
                                        "execution_count": e.exec_count,
-                                       "ename": e.ename, "evalue": e.evalue})
+                                       "ename": e.ename, "evalue": e.evalue,
+                                       "source": e.source})
     except Exception as e:  # a kernel that died or a notebook that would not start
         status.update(ok=False, error={"cell_index": None, "ename": type(e).__name__,
                                        "evalue": str(e)})
@@ -115,6 +116,7 @@ def describe_failure(s: dict) -> str:
     if s["ok"]:
         return ""
     err = s["error"]
+    # the index counts cells of the executed copy, which holds papermill's injected parameters
     where = f"cell {err['cell_index']}: " if err and err.get("cell_index") is not None else ""
     what = f"{where}{err['ename']}: {err['evalue']}" if err else ""
     if s["checks_failed"]:

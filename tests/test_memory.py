@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from kit.config import ConfigError, load
+from kit.device import capacity_bytes, physical_memory_bytes
+from kit.memory import check_fits, no_kv_cache_message, probe_measurement, profile_memory
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return profile_memory(load("cpu-small", max_num_batched_tokens=512, device="cpu"))
+
+
+def test_eager_and_compiled_are_both_measured(profiles):
+    assert set(profiles) == {"eager", "compiled"}
+    for p in profiles.values():
+        assert p.peak_activation_bytes > 0 and len(p.timeline_bytes) > 0
+        assert max(p.timeline_bytes) == p.peak_activation_bytes  # the CPU peak is the timeline's
+    assert profiles["compiled"].compile_seconds > 0 and profiles["eager"].compile_seconds == 0
+
+
+def test_peak_covers_weights_input_and_real_activations(profiles):
+    s = load("cpu-small")
+    for p in profiles.values():
+        assert p.num_tokens == 512 and p.input_bytes == 512 * 8
+        assert p.weights_bytes == s.arch.num_parameters() * 2
+        assert p.peak_bytes >= p.weights_bytes + p.input_bytes
+        # Compiled or not, the MLP's [tokens, intermediate] tensor must be live at some point:
+        # this fails if the measurement misses buffers that Inductor's code allocates.
+        assert p.peak_activation_bytes >= 512 * s.arch.intermediate_size * 2
+
+
+def test_kv_budget_arithmetic_and_capacity_override(profiles):
+    for p in profiles.values():
+        assert p.capacity_bytes == 2 * GiB  # the preset's device_memory, not physical memory
+        assert p.budget_bytes == int(2 * GiB * 0.9)
+        assert p.kv_cache_bytes == p.budget_bytes - p.weights_bytes - p.peak_activation_bytes
+        assert p.non_torch_bytes is None  # not measured on the CPU
+
+
+def test_capacity_defaults_to_physical_memory():
+    assert capacity_bytes("cpu") == physical_memory_bytes()
+    assert capacity_bytes("cpu", 16 * GiB) == 16 * GiB
+
+
+def test_weights_larger_than_budget_refused_before_loading():
+    with pytest.raises(ConfigError, match=r"GiB missing. Raise device_memory"):
+        check_fits(load("cpu-small", model="llama-3.1-8b", device_memory="8GiB"))
+
+
+def test_no_kv_cache_message_says_what_is_missing(profiles):
+    p = profiles["eager"]
+    p = type(p)(**{**p.__dict__, "capacity_bytes": p.weights_bytes})  # budget below weights
+    assert p.kv_cache_bytes < 0
+    msg = no_kv_cache_message(p)
+    assert msg.startswith("No available memory for the cache blocks") and "GiB short" in msg
+
+
+def test_probe_measurement_is_exact():
+    assert probe_measurement("cpu", 8 * 2**20) == 8 * 2**20
+
+
+def test_outputs_of_compiled_profile_model_match_eager():
+    from kit.model import build_model, dummy_batch
+    s = load("cpu-small", dtype="float32")
+    model = build_model(s.arch, s.dtype, "cpu")
+    ids = dummy_batch(64, 4, s.arch.vocab_size, "cpu")
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(model.forward)(ids), model(ids),
+                                   atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()

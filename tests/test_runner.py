@@ -1,0 +1,65 @@
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kit.config import ConfigError
+from kit.runner import find_notebooks, main, parse_params, run
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_broken_notebook_is_reported_and_the_others_still_run(tmp_path, capsys):
+    code, folder = run("cpu-small", [str(FIXTURES / "broken.ipynb"), "00"], out=tmp_path,
+                       progress=False)
+    assert code == 1
+    summary = json.loads((folder / "summary.json").read_text())
+    broken, setup = summary["notebooks"]
+    # cell 3 of the executed copy: papermill inserts the injected parameters as cell 1
+    assert not broken["ok"] and broken["error"]["cell_index"] == 3
+    assert broken["error"]["source"] == 'raise RuntimeError("deliberately broken")'
+    assert broken["error"]["ename"] == "RuntimeError" and "deliberately broken" in broken["error"]["evalue"]
+    assert broken["recorded"]["results"] == {"before_the_error": 1}  # kept despite the error
+    executed = nbformat.read(folder / "broken.ipynb", as_version=4)
+    assert any(o.get("ename") == "RuntimeError" for c in executed.cells for o in c.get("outputs", []))
+    assert setup["ok"] and setup["checks_passed"] > 0 and not setup["checks_failed"]
+    assert (folder / "00_setup_check.json").is_file()
+    out = capsys.readouterr().out
+    assert "cell 3: RuntimeError: deliberately broken" in out
+
+
+def test_failed_check_fails_the_run_and_is_named(tmp_path):
+    code, folder = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path,
+                       progress=False)
+    status = json.loads((folder / "summary.json").read_text())["notebooks"][0]
+    assert code == 1 and status["checks_failed"] == ["one equals two"] and status["checks_passed"] == 1
+
+
+def test_unknown_parameter_refused_before_anything_runs(tmp_path, capsys):
+    assert main(["run", "00", "-p", "colour=red", "--out", str(tmp_path)]) == 2
+    assert "unknown parameter(s) ['colour']" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_value_refused_before_anything_runs(tmp_path, capsys):
+    assert main(["run", "01", "-p", "gpu_memory_utilization=2", "--out", str(tmp_path)]) == 2
+    assert "must be in (0, 1]" in capsys.readouterr().err
+    assert main(["run", "--preset", "nope", "--out", str(tmp_path)]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runs_never_overwrite_each_other(tmp_path):
+    _, a = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path, progress=False)
+    _, b = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path, progress=False)
+    assert a != b and a.is_dir() and b.is_dir()
+
+
+def test_parse_params_and_notebook_names():
+    assert parse_params(["a=1", "b=0.5", "c=cpu", "d=None", "e=[1, 2]"]) == \
+        {"a": 1, "b": 0.5, "c": "cpu", "d": None, "e": [1, 2]}
+    with pytest.raises(ConfigError, match="NAME=VALUE"):
+        parse_params(["oops"])
+    assert [p.stem for p in find_notebooks(["01"])] == ["01_memory_profiling"]
+    with pytest.raises(ConfigError, match="unknown notebook '99'"):
+        find_notebooks(["99"])
