@@ -1,5 +1,5 @@
 import sys
 
-from kit.runner import main
+from kit.cli import main
 
 sys.exit(main())

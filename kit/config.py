@@ -151,7 +151,7 @@ def parse_bytes(value) -> int | None:
         return int(value)
     m = _SIZE.match(str(value))
     if not m:
-        raise ConfigError(f"device_memory={value!r}: write a size such as 16GiB, 512MiB or a "
+        raise ConfigError(f"{value!r} is not a size: write one such as 16GiB, 512MiB or a "
                           "number of bytes")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
@@ -170,6 +170,9 @@ class Settings:
     gpu_memory_utilization: float
     device_memory: int | None
     block_size: int
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    kv_cache_memory_bytes: int | None
     batch_size: int
     input_len: int
     output_len: int
@@ -178,7 +181,11 @@ class Settings:
 
     def __post_init__(self):
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory))
+        object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
         self._check_positive()
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size={self.block_size} must be a power of two "
+                              "(16 is vLLM's GPU default; its CPU backend takes multiples of 32)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                               "(0, 1]: it is the fraction of device memory the engine may use")
@@ -190,6 +197,11 @@ class Settings:
         if self.input_len + self.output_len > self.max_model_len:
             raise ConfigError(f"input_len + output_len = {self.input_len + self.output_len} "
                               f"exceeds max_model_len={self.max_model_len}")
+        if arch.num_attention_heads % self.tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide "
+                              f"{arch.name}'s num_attention_heads={arch.num_attention_heads}")
+        from kit.kv_cache import cache_dtype_bytes
+        cache_dtype_bytes(self.kv_cache_dtype, "bfloat16")  # refuses an unknown name
         if self.batch_size > self.max_num_seqs:
             raise ConfigError(f"batch_size={self.batch_size} is above max_num_seqs="
                               f"{self.max_num_seqs}; raise max_num_seqs or lower batch_size")
@@ -199,12 +211,13 @@ class Settings:
 
     def _check_positive(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                     "batch_size", "input_len", "output_len"):
+                     "tensor_parallel_size", "batch_size", "input_len", "output_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive whole number")
-        if self.device_memory is not None and self.device_memory <= 0:
-            raise ConfigError(f"device_memory={self.device_memory} must be positive")
+        for name in ("device_memory", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 
     def _resolve_dtype(self, arch: ModelConfig) -> str:
         dtype = arch.torch_dtype if self.dtype == "auto" else self.dtype

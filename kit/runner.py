@@ -9,12 +9,10 @@ its failing cell. The exit status is non-zero when any notebook or check failed.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import datetime as dt
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -159,26 +157,22 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     return (0 if all(s["ok"] for s in summary["notebooks"]) else 1), run_path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kit", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run notebooks headless with a preset")
-    p_run.add_argument("notebooks", nargs="*", help="paths, stems or numbers such as 01")
-    p_run.add_argument("--preset", default=DEFAULT_PRESET,
-                       help=f"one of {known_names(PRESETS_DIR)} (default {DEFAULT_PRESET})")
-    p_run.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
-    p_run.add_argument("--out", type=Path, help="where run folders go (default ./runs)")
-    p_run.add_argument("--no-progress", action="store_true")
-    sub.add_parser("presets", help="list the presets and what they set")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "presets":
-            for name in known_names(PRESETS_DIR):
-                print(f"{name}: {json.loads((PRESETS_DIR / f'{name}.json').read_text())}")
-            return 0
-        code, _ = run(args.preset, args.notebooks, parse_params(args.param), args.out,
-                      not args.no_progress)
-        return code
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def add_cli(sub) -> None:
+    """The `run` and `presets` commands of `python -m kit`."""
+    p = sub.add_parser("run", help="run notebooks headless with a preset")
+    p.add_argument("notebooks", nargs="*", help="paths, stems or numbers such as 01")
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help=f"one of {known_names(PRESETS_DIR)} (default {DEFAULT_PRESET})")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--out", type=Path, help="where run folders go (default ./runs)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=lambda a: run(a.preset, a.notebooks, parse_params(a.param), a.out,
+                                      not a.no_progress)[0])
+    p = sub.add_parser("presets", help="list the presets and what they set")
+    p.set_defaults(func=lambda a: print_presets())
+
+
+def print_presets() -> int:
+    for name in known_names(PRESETS_DIR):
+        print(f"{name}: {json.loads((PRESETS_DIR / f'{name}.json').read_text())}")
+    return 0

@@ -53,7 +53,7 @@ def test_unsupported_family_is_refused(tmp_path):
     ({"input_len": 1000, "output_len": 100}, "exceeds max_model_len=1024"),
     ({"dtype": "int4"}, "dtype='int4'"),
     ({"device": "tpu"}, "device='tpu'"),
-    ({"device_memory": "lots"}, "write a size such as 16GiB"),
+    ({"device_memory": "lots"}, "is not a size: write one such as 16GiB"),
     ({"colour": "red"}, r"unknown parameter\(s\) \['colour'\]"),
 ])
 def test_bad_settings_get_clear_errors(overrides, message):

@@ -5,7 +5,8 @@ import nbformat
 import pytest
 
 from kit.config import ConfigError
-from kit.runner import find_notebooks, main, parse_params, run
+from kit.cli import main
+from kit.runner import find_notebooks, parse_params, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

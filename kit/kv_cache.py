@@ -1,0 +1,141 @@
+"""Building the KV cache (chapter 02): bytes per block, blocks from a budget, real allocation.
+
+The arithmetic is vLLM's, written once here and shown in the notebooks:
+
+    bytes per token = 2 (K and V) × num_layers × num_kv_heads per rank × head_dim × cache dtype bytes
+    bytes per block = bytes per token × block_size
+    num_blocks      = floor(KV budget / bytes per block)
+    max concurrency = num_blocks / ceil(max_model_len / block_size)
+
+With tensor parallelism each rank holds max(1, num_kv_heads // tp) heads: heads are replicated
+when there are fewer KV heads than ranks, as vLLM does. Only `allocate` needs torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kit.config import DTYPE_BYTES, ConfigError
+
+GiB = 2**30
+# vLLM's kv_cache_dtype names -> bytes per element; "auto" means the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
+                   "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {list(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one rank's paged KV cache."""
+
+    num_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    block_size: int
+    dtype_bytes: int
+    kv_cache_dtype: str = "auto"
+
+    @classmethod
+    def from_settings(cls, settings) -> "KVCacheSpec":
+        arch = settings.arch
+        return cls(num_layers=arch.num_hidden_layers,
+                   num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads,
+                                                  settings.tensor_parallel_size),
+                   head_dim=arch.head_dim, block_size=settings.block_size,
+                   dtype_bytes=cache_dtype_bytes(settings.kv_cache_dtype, settings.dtype),
+                   kv_cache_dtype=settings.kv_cache_dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+
+@dataclass(frozen=True)
+class KVCacheSizing:
+    """How many blocks a budget buys, and what that means in tokens and requests."""
+
+    spec: KVCacheSpec
+    budget_bytes: int
+    max_model_len: int
+    device_name: str = "GPU"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.budget_bytes // self.spec.bytes_per_block
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.spec.bytes_per_block
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_blocks / self.spec.blocks_for(self.max_model_len)
+
+    @property
+    def num_tokens(self) -> int:
+        """vLLM's 'KV cache size' in tokens: concurrency × max_model_len."""
+        return int(self.max_concurrency * self.max_model_len)
+
+    def log_line(self) -> str:
+        """The line vLLM logs at start-up, to match against an engine's log."""
+        return (f"{self.device_name} KV cache size: {self.num_tokens:,} tokens, Maximum "
+                f"concurrency for {self.max_model_len:,} tokens per request: "
+                f"{self.max_concurrency:.2f}x")
+
+    def summary(self) -> dict:
+        return {"bytes_per_token": self.spec.bytes_per_token,
+                "bytes_per_block": self.spec.bytes_per_block, "budget_bytes": self.budget_bytes,
+                "num_blocks": self.num_blocks, "cache_bytes": self.cache_bytes,
+                "num_tokens": self.num_tokens, "max_concurrency": self.max_concurrency,
+                "log_line": self.log_line()}
+
+
+def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
+                  device_name: str = "GPU") -> KVCacheSizing:
+    """Blocks for `budget_bytes`; refuses, as vLLM does, a cache that cannot hold one block or
+    one request of max_model_len tokens, naming the largest max_model_len that would fit."""
+    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_name)
+    if sizing.num_blocks < 1:
+        raise ConfigError(
+            f"the KV cache budget of {budget_bytes:,} bytes is smaller than one block of "
+            f"{spec.bytes_per_block:,} bytes; raise gpu_memory_utilization, device_memory or "
+            "kv_cache_memory_bytes, or lower block_size")
+    if sizing.max_concurrency < 1:
+        fits = sizing.num_blocks * spec.block_size
+        raise ConfigError(
+            f"max_model_len={max_model_len:,} needs {spec.blocks_for(max_model_len):,} blocks but "
+            f"the KV cache holds {sizing.num_blocks:,} ({fits:,} tokens); vLLM refuses to start "
+            f"here. Lower max_model_len to {fits:,} or less, or give the cache more memory")
+    return sizing
+
+
+def torch_cache_dtype(spec: KVCacheSpec, model_dtype: str):
+    import torch
+    names = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}
+    return names[model_dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype]
+
+
+def allocate(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
+    """One preallocated tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim];
+    layer i's cache is the view `cache[i]` (K at [0], V at [1])."""
+    import torch
+    return torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                       spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
