@@ -138,6 +138,13 @@ class ModelConfig:
         }
 
 
+def check_tensor_parallel(arch: ModelConfig, tensor_parallel_size: int) -> None:
+    """vLLM shards attention heads evenly over the ranks."""
+    if arch.num_attention_heads % tensor_parallel_size:
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} does not divide "
+                          f"{arch.name}'s num_attention_heads={arch.num_attention_heads}")
+
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -197,9 +204,7 @@ class Settings:
         if self.input_len + self.output_len > self.max_model_len:
             raise ConfigError(f"input_len + output_len = {self.input_len + self.output_len} "
                               f"exceeds max_model_len={self.max_model_len}")
-        if arch.num_attention_heads % self.tensor_parallel_size:
-            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide "
-                              f"{arch.name}'s num_attention_heads={arch.num_attention_heads}")
+        check_tensor_parallel(arch, self.tensor_parallel_size)
         from kit.kv_cache import cache_dtype_bytes
         cache_dtype_bytes(self.kv_cache_dtype, "bfloat16")  # refuses an unknown name
         if self.batch_size > self.max_num_seqs:
@@ -256,3 +261,8 @@ def load(preset: str = DEFAULT_PRESET, **overrides) -> Settings:
     values = read_preset(preset)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(preset=preset, **values)
+
+
+def reference(name: str = "seed") -> dict:
+    """Published numbers under data/reference/ (the seed's, vLLM's) shown beside measured ones."""
+    return json.loads((DATA / "reference" / f"{name}.json").read_text())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kit.config import DTYPE_BYTES, ConfigError
+from kit.config import DTYPE_BYTES, ConfigError, check_tensor_parallel
 
 GiB = 2**30
 # vLLM's kv_cache_dtype names -> bytes per element; "auto" means the model's dtype.
@@ -45,14 +45,25 @@ class KVCacheSpec:
     kv_cache_dtype: str = "auto"
 
     @classmethod
-    def from_settings(cls, settings) -> "KVCacheSpec":
-        arch = settings.arch
+    def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
+                  tensor_parallel_size: int = 1) -> "KVCacheSpec":
+        check_tensor_parallel(arch, tensor_parallel_size)
         return cls(num_layers=arch.num_hidden_layers,
-                   num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads,
-                                                  settings.tensor_parallel_size),
-                   head_dim=arch.head_dim, block_size=settings.block_size,
-                   dtype_bytes=cache_dtype_bytes(settings.kv_cache_dtype, settings.dtype),
-                   kv_cache_dtype=settings.kv_cache_dtype)
+                   num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
+                   head_dim=arch.head_dim, block_size=block_size,
+                   dtype_bytes=cache_dtype_bytes(kv_cache_dtype, model_dtype),
+                   kv_cache_dtype=kv_cache_dtype)
+
+    @classmethod
+    def from_settings(cls, settings) -> "KVCacheSpec":
+        return cls.for_model(settings.arch, settings.block_size, settings.dtype,
+                             settings.kv_cache_dtype, settings.tensor_parallel_size)
+
+    def formula(self) -> str:
+        """The bytes-per-block arithmetic written out with this spec's numbers."""
+        return (f"2 × {self.num_layers} layers × {self.num_kv_heads} KV heads × {self.head_dim} "
+                f"head_dim × {self.dtype_bytes} B × {self.block_size} tokens = "
+                f"{self.bytes_per_block:,} B per block ({self.bytes_per_token:,} B per token)")
 
     @property
     def bytes_per_token(self) -> int:
@@ -125,6 +136,21 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
     return sizing
 
 
+def kv_budget(settings, profile_kv_cache_bytes: int | None) -> tuple[int, str]:
+    """The KV budget and where it came from: `kv_cache_memory_bytes` overrides the profile, as
+    vLLM's option of that name does."""
+    if settings.kv_cache_memory_bytes is not None:
+        return settings.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if profile_kv_cache_bytes is None:
+        raise ConfigError("no KV budget: give kv_cache_memory_bytes or a memory profile")
+    return profile_kv_cache_bytes, "memory profile"
+
+
+def device_name(device: str) -> str:
+    """How vLLM names the device in its KV cache log line."""
+    return "GPU" if device == "cuda" else device.upper()
+
+
 def torch_cache_dtype(spec: KVCacheSpec, model_dtype: str):
     import torch
     names = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -139,3 +165,61 @@ def allocate(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
     import torch
     return torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                        spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
+
+
+def layer_views(cache) -> list:
+    """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one tensor."""
+    return list(cache.unbind(0))
+
+
+def allocate_measured(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
+    """Allocate the cache and measure what it cost: (cache, bytes the allocation added)."""
+    from kit.memory import allocated_by
+    cache, added, _ = allocated_by(lambda: allocate(spec, num_blocks, model_dtype, device), device)
+    return cache, added
+
+
+def estimate_activation_bytes(arch, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
+    """A rough eager peak for models the kit has not profiled: one layer's largest live set
+    (residual and normed input, the MLP's gate, up and activated tensors) for every token, plus
+    the logits of one token per sequence (model dtype and an fp32 copy for sampling)."""
+    per_token = (2 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
+    return num_tokens * per_token + num_seqs * arch.vocab_size * (dtype_bytes + 4)
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """How one rank's memory splits: weights, activations, KV cache, and what is held back."""
+
+    capacity_bytes: int
+    gpu_memory_utilization: float
+    weights_bytes: int
+    activation_bytes: int
+    sizing: KVCacheSizing
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.capacity_bytes * self.gpu_memory_utilization)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.capacity_bytes - self.budget_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.budget_bytes - self.weights_bytes - self.activation_bytes
+
+
+def split_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utilization: float,
+                 activation_bytes: int, block_size: int, kv_cache_dtype: str,
+                 max_model_len: int, tensor_parallel_size: int = 1,
+                 device: str = "GPU") -> BudgetSplit:
+    """The calculator's arithmetic for one rank. Weights are split evenly over the ranks (vLLM
+    shards the linear layers and the embedding; the small norms are replicated)."""
+    weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
+    budget = int(capacity_bytes * gpu_memory_utilization)
+    spec = KVCacheSpec.for_model(arch, block_size, model_dtype, kv_cache_dtype,
+                                 tensor_parallel_size)
+    kv = max(0, budget - weights - activation_bytes)
+    return BudgetSplit(capacity_bytes, gpu_memory_utilization, weights, activation_bytes,
+                       KVCacheSizing(spec, kv, max_model_len, device))

@@ -13,6 +13,7 @@ On CUDA the peak comes from the caching allocator's statistics and non-torch mem
 from __future__ import annotations
 
 import gc
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from kit.config import ConfigError, Settings
 from kit.device import capacity_bytes, synchronize
 from kit.model import Decoder, build_model, dummy_batch, weights_bytes
+from kit.results import plain, run_dir
 
 GiB = 2**30
 STRATEGIES = ("eager", "compiled")
@@ -195,17 +197,42 @@ def profile_memory(settings: Settings, strategies=STRATEGIES) -> dict[str, Memor
     return results
 
 
-def probe_measurement(device: str, nbytes: int = 64 * 2**20) -> int:
-    """Allocate a tensor of `nbytes` and return the peak this machine's method measured: the
-    setup check that memory measurement works here (it must equal `nbytes`)."""
+def allocated_by(fn, device: str):
+    """Run `fn()` and return (its result, bytes it left allocated, peak bytes during it), as the
+    device's allocator (CUDA) or the profiler's memory events (CPU) saw them."""
     if device == "cuda":
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        x = torch.ones(nbytes, dtype=torch.uint8, device=device)
-        del x
-        return torch.cuda.max_memory_allocated() - base
+        out = fn()
+        synchronize(device)
+        return out, torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         t0 = time.perf_counter_ns()
-        x = torch.ones(nbytes, dtype=torch.uint8)
-        del x
-    return max([0] + _timeline(prof, device, t0)[1])
+        out = fn()
+    levels = _timeline(prof, device, t0)[1]
+    return out, (levels[-1] if levels else 0), max([0] + levels)
+
+
+def probe_measurement(device: str, nbytes: int = 64 * 2**20) -> int:
+    """Allocate and free a tensor of `nbytes`; return the peak this machine's method measured:
+    the setup check that memory measurement works here (it must equal `nbytes`)."""
+    return allocated_by(lambda: torch.ones(nbytes, dtype=torch.uint8, device=device).numel(),
+                        device)[2]
+
+
+# The settings a memory profile depends on.
+PROFILE_KEYS = ("model", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
+                "gpu_memory_utilization", "device_memory", "seed")
+
+
+def recorded_or_measured(settings: Settings) -> tuple[dict[str, dict], str]:
+    """Chapter 01's profile summaries for these settings: read from the run folder when
+    chapter 01 recorded the same settings there, else measured now."""
+    path = run_dir() / "01_memory_profiling.json"
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        same = all(recorded["settings"].get(k) == plain(getattr(settings, k)) for k in PROFILE_KEYS)
+        if same and all(s in recorded["results"] for s in STRATEGIES):
+            return {s: recorded["results"][s] for s in STRATEGIES}, f"read from {path.name}"
+    return {k: p.summary() for k, p in profile_memory(settings).items()}, "measured now"

@@ -95,3 +95,49 @@ class Table:
                        for r in self.rows)
         caption = f"<caption>{self.title}</caption>" if self.title else ""
         return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def kv_calculator(split, title: str = "") -> go.Figure:
+    """Left: how the device's memory splits. Right: requests of each length that fit."""
+    from plotly.subplots import make_subplots
+    s = split.sizing
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.35, 0.65], subplot_titles=(
+        "memory of one device", "requests that fit (max concurrency)"))
+    parts = {"weights": split.weights_bytes, "activations": split.activation_bytes,
+             "KV cache": s.cache_bytes, "unused": split.reserved_bytes
+             + (split.kv_bytes - s.cache_bytes if split.kv_bytes > 0 else 0)}
+    for part, value in parts.items():
+        fig.add_bar(name=part, x=["device"], y=[value / 2**30], marker_color=COLORS[part],
+                    row=1, col=1, hovertemplate="%{y:,.3f} GiB<extra>" + part + "</extra>")
+    lengths = [2**k for k in range(8, 18)]
+    fig.add_scatter(x=lengths, y=[s.num_blocks / s.spec.blocks_for(n) for n in lengths],
+                    mode="lines+markers", name="concurrency", line_color=COLORS["KV cache"],
+                    row=1, col=2, showlegend=False)
+    fig.add_scatter(x=[s.max_model_len], y=[s.max_concurrency], mode="markers", name="max_model_len",
+                    marker=dict(size=14, color=COLORS["short"]), row=1, col=2)
+    fig.update_xaxes(type="log", title_text="tokens per request", row=1, col=2)
+    fig.update_yaxes(type="log", title_text="requests", row=1, col=2)
+    fig.update_yaxes(title_text="GiB", row=1, col=1)
+    fig.update_layout(barmode="stack", title=title or (
+        f"{s.num_blocks:,} blocks of {s.spec.block_size} tokens · {s.num_tokens:,} tokens · "
+        f"{s.max_concurrency:.2f}× concurrency at max_model_len {s.max_model_len:,}"))
+    return fig
+
+
+def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
+    """Which sequence owns each of the first blocks of the cache (free blocks blank)."""
+    owner = [None] * min(allocator.num_blocks, max_blocks)
+    for seq, table in allocator.tables.items():
+        for block in table:
+            if block < len(owner):
+                owner[block] = seq
+    width = 32
+    rows = [owner[i:i + width] for i in range(0, len(owner), width)]
+    fig = go.Figure(go.Heatmap(z=[[-1 if o is None else o for o in r] for r in rows],
+                               colorscale="Viridis", zmin=-1, showscale=False,
+                               hovertemplate="block %{customdata}: seq %{z}<extra></extra>",
+                               customdata=[[i * width + j for j in range(len(r))]
+                                           for i, r in enumerate(rows)]))
+    fig.update_layout(title="Block ownership (−1: free)", xaxis_title="block % 32",
+                      yaxis_title="block // 32", yaxis_autorange="reversed")
+    return fig

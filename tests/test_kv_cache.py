@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from kit.config import ConfigError, ModelConfig, load
+from kit.kv_cache import (KVCacheSpec, allocate_measured, estimate_activation_bytes, kv_budget,
+                          layer_views, size_kv_cache, split_budget)
+
+GiB = 2**30
+# Bytes per token, computed by hand: 2 × layers × KV heads per rank × head_dim × dtype bytes.
+BY_HAND = {
+    # model: {(tp, kv_cache_dtype): bytes per token}
+    "tiny": {(1, "auto"): 2 * 4 * 4 * 32 * 2, (2, "auto"): 2 * 4 * 2 * 32 * 2,
+             (8, "auto"): 2 * 4 * 1 * 32 * 2, (1, "fp8"): 2 * 4 * 4 * 32 * 1},
+    "gemma-2b": {(1, "auto"): 18_432, (2, "auto"): 18_432, (8, "auto"): 18_432,  # 1 KV head, replicated
+                 (1, "fp8"): 9_216},
+    "llama-3.2-1b": {(1, "auto"): 32_768, (2, "auto"): 16_384, (8, "auto"): 4_096, (1, "fp8"): 16_384},
+    "qwen2.5-0.5b": {(1, "auto"): 12_288, (2, "auto"): 6_144, (1, "fp8"): 6_144},
+    "llama-3.1-8b": {(1, "auto"): 131_072, (2, "auto"): 65_536, (8, "auto"): 16_384, (1, "fp8"): 65_536},
+}
+CASES = [(m, tp, dt, bpt) for m, d in BY_HAND.items() for (tp, dt), bpt in d.items()]
+
+
+@pytest.mark.parametrize("model,tp,kv_dtype,bytes_per_token", CASES)
+def test_block_counts_by_hand(model, tp, kv_dtype, bytes_per_token):
+    spec = KVCacheSpec.for_model(ModelConfig.load(model), 16, "bfloat16", kv_dtype, tp)
+    assert spec.bytes_per_token == bytes_per_token and spec.bytes_per_block == 16 * bytes_per_token
+    for budget in (GiB, 10 * GiB + 12345, 7 * bytes_per_token * 16 + 1):
+        sizing = size_kv_cache(spec, budget, 16)
+        assert sizing.num_blocks == budget // (16 * bytes_per_token)
+        assert sizing.cache_bytes <= budget < sizing.cache_bytes + spec.bytes_per_block
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused():
+    with pytest.raises(ConfigError, match="tensor_parallel_size=8 does not divide qwen2.5-0.5b's num_attention_heads=14"):
+        KVCacheSpec.for_model(ModelConfig.load("qwen2.5-0.5b"), 16, "bfloat16", "auto", 8)
+    with pytest.raises(ConfigError, match="does not divide"):
+        load("cpu-small", tensor_parallel_size=3)
+
+
+def test_seed_gemma_arithmetic():
+    spec = KVCacheSpec.for_model(ModelConfig.load("gemma-2b"), 16, "bfloat16")
+    assert spec.bytes_per_block == 294_912
+    assert (34552 - 25752) * spec.bytes_per_block == 2_595_225_600  # 2.42 GiB
+
+
+def test_vllm_style_log_line_and_concurrency():
+    spec = KVCacheSpec.for_model(ModelConfig.load("tiny"), 128, "bfloat16")
+    sizing = size_kv_cache(spec, 256 * 2**20, 1000, "CPU")
+    assert sizing.num_blocks == 1024  # design.md: vLLM CPU gave 1024 blocks of 128 for 256 MiB
+    assert sizing.max_concurrency == 1024 / 8  # ceil(1000 / 128) = 8 blocks per request
+    assert sizing.log_line() == ("CPU KV cache size: 128,000 tokens, Maximum concurrency for "
+                                 "1,000 tokens per request: 128.00x")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"block_size": 24}, "block_size=24 must be a power of two"),
+    ({"block_size": 0}, "block_size=0 must be a positive whole number"),
+    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype='int3': use one of"),
+    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes=0 must be positive"),
+])
+def test_bad_kv_settings_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load("cpu-small", **overrides)
+
+
+def test_budget_below_one_block_and_max_model_len_that_does_not_fit():
+    spec = KVCacheSpec.from_settings(load("cpu-small"))
+    with pytest.raises(ConfigError, match="smaller than one block of 32,768 bytes"):
+        size_kv_cache(spec, 32_767, 1024)
+    with pytest.raises(ConfigError, match=r"max_model_len=1,024 needs 64 blocks .* holds 32 .* "
+                                          r"Lower max_model_len to 512 or less"):
+        size_kv_cache(spec, 32 * 32_768, 1024)
+
+
+def test_explicit_kv_cache_size_overrides_the_profile():
+    assert kv_budget(load("cpu-small", kv_cache_memory_bytes="256MiB"), 10**9) == \
+        (256 * 2**20, "kv_cache_memory_bytes")
+    assert kv_budget(load("cpu-small"), 10**9) == (10**9, "memory profile")
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "float32"])
+def test_allocated_bytes_equal_predicted(kv_dtype):
+    s = load("cpu-small", kv_cache_dtype=kv_dtype)
+    spec = KVCacheSpec.from_settings(s)
+    sizing = size_kv_cache(spec, 8 * 2**20 + 5, 64)
+    cache, allocated = allocate_measured(spec, sizing.num_blocks, s.dtype, "cpu")
+    assert allocated == sizing.cache_bytes == cache.numel() * cache.element_size()
+    views = layer_views(cache)
+    assert len(views) == 4 and views[1].shape == (2, sizing.num_blocks, 16, 4, 32)
+    views[2][1, 0, 0, 0, 0] = 1  # a write through a view lands in the one tensor
+    assert cache[2, 1, 0, 0, 0, 0].float() == 1
+
+
+def test_budget_split_and_estimate():
+    arch = ModelConfig.load("llama-3.1-8b")
+    act = estimate_activation_bytes(arch, 8192, 256, 2)
+    split = split_budget(arch, "bfloat16", 80 * GiB, 0.9, act, 16, "auto", 8192, 2)
+    assert split.weights_bytes == arch.num_parameters() * 2 // 2
+    assert split.kv_bytes == int(80 * GiB * 0.9) - split.weights_bytes - act
+    assert split.sizing.num_blocks == split.kv_bytes // (16 * 65_536)
