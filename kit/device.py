@@ -5,6 +5,7 @@ CPU from physical memory, unless `device_memory` emulates a smaller accelerator.
 """
 from __future__ import annotations
 
+import html
 import os
 import platform
 import statistics
@@ -151,3 +152,67 @@ def probe_compile(device: str) -> float:
         raise RuntimeError("torch.compile produced different numbers from eager")
     torch._dynamo.reset()
     return seconds
+
+
+def attempt(fn, *args):
+    """(fn(*args), None), or (None, "Error: message") when it raises: a probe that fails must
+    still let the setup check reach its verdict."""
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+# What to do when a setup check fails, keyed by the start of the check's name.
+FIXES = {
+    "torch is": "Run ./setup.sh again (it pins torch 2.13.0 on the CPU); on a GPU machine create "
+                "the conda environment from environment.yml.",
+    "memory measurement": "Your torch build lacks the profiler's memory events: use the torch "
+                          "that ./setup.sh or environment.yml installs.",
+    "torch.compile": "Inductor needs a C++ compiler on the CPU (apt-get install g++, or conda "
+                     "install gxx) and Triton on a GPU (it comes with CUDA builds of torch).",
+    "timer": "The clock returned nothing usable: restart the kernel and run the notebook again; "
+             "if it persists, report your machine and versions.",
+    "the budget": "Give the kit more memory to work with: device_memory='2GiB' or more, or a "
+                  "higher gpu_memory_utilization.",
+    "papermill": "Run ./setup.sh (it installs every package the kit uses).",
+    "plotly": "Run ./setup.sh (it installs every package the kit uses).",
+    "ipywidgets": "Run ./setup.sh, then restart JupyterLab so the widgets' extension loads.",
+}
+
+
+def fix_for(check_name: str) -> str | None:
+    return next((fix for start, fix in FIXES.items() if check_name.startswith(start)), None)
+
+
+@dataclass
+class Readiness:
+    """Chapter 00's verdict: ready or not, and for each failed check what to do."""
+
+    ready: bool
+    passed: int
+    total: int
+    seconds: float
+    todo: list[tuple[str, str]] = field(default_factory=list)
+
+    def __repr__(self):
+        head = (f"READY: all {self.total} checks passed in {self.seconds:.0f} s."
+                if self.ready else f"NOT READY: {self.total - self.passed} of {self.total} "
+                f"checks failed ({self.seconds:.0f} s). What to do:")
+        return "\n".join([head] + [f"- {name}: {fix}" for name, fix in self.todo])
+
+    def _repr_html_(self):
+        colour, text = ("#1a7f37", "#dafbe1") if self.ready else ("#cf222e", "#ffebe9")
+        items = "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(f)}</li>" for n, f in self.todo)
+        lines = html.escape(repr(self).splitlines()[0])
+        return (f'<div class="kit-readiness" style="background:{text};color:{colour};padding:12px 16px;'
+                f'border-radius:6px;font-size:1.2em"><b>{lines}</b>'
+                f'{"<ul style=color:#1d2329>" + items + "</ul>" if items else ""}</div>')
+
+
+def readiness(checks: list[dict], seconds: float) -> Readiness:
+    """The verdict from the recorded checks (`rec.data["checks"]`): ready when all passed."""
+    failed = [c["name"] for c in checks if not c["ok"]]
+    todo = [(name, fix_for(name) or "See the notes above this cell.") for name in failed]
+    return Readiness(ready=bool(checks) and not failed, passed=len(checks) - len(failed),
+                     total=len(checks), seconds=seconds, todo=todo)

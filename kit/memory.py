@@ -100,17 +100,21 @@ def _profile_step(model: Decoder, step, input_ids: torch.Tensor) -> None:
     model.compute_logits(hidden[:, -1])  # the sampler's share: one position per sequence
 
 
-def _timeline(prof, device: str, t0_ns: int):
-    """Live-byte deltas of `device` in time order, each with the op that allocated or freed."""
+def _timeline(prof, device: str):
+    """Live-byte deltas of `device` in time order, each with the op that allocated or freed;
+    times in ms from the first profiled op."""
     kind = "CUDA" if device == "cuda" else "CPU"
     events = prof.profiler.kineto_results.events()
     ops = sorted((e.start_ns(), e.end_ns(), e.name()) for e in events if e.name() != "[memory]")
     mem = sorted((e.start_ns(), e.nbytes()) for e in events
                  if e.name() == "[memory]" and kind in str(e.device_type()))
+    # Kineto stamps events with its own (wall-clock) time base, not perf_counter's: count from
+    # the first event it recorded.
+    start = min([o[0] for o in ops[:1]] + [m[0] for m in mem[:1]], default=0)
     live, times, levels, names = 0, [], [], []
     for t, nbytes in mem:
         live += nbytes
-        times.append((t - t0_ns) / 1e6)
+        times.append((t - start) / 1e6)
         levels.append(live)
         names.append(_innermost_op(ops, t))
     return times, levels, names
@@ -166,7 +170,7 @@ def profile_run(model: Decoder, settings: Settings, strategy: str, weights: int,
         _profile_step(model, step, ids)
         synchronize(device)
         forward_s = (time.perf_counter_ns() - t0) / 1e9
-    times, levels, names = _timeline(prof, device, t0)
+    times, levels, names = _timeline(prof, device)
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base_allocated
     else:
@@ -208,9 +212,8 @@ def allocated_by(fn, device: str):
         synchronize(device)
         return out, torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        t0 = time.perf_counter_ns()
         out = fn()
-    levels = _timeline(prof, device, t0)[1]
+    levels = _timeline(prof, device)[1]
     return out, (levels[-1] if levels else 0), max([0] + levels)
 
 

@@ -115,8 +115,10 @@ def kv_calculator(split, title: str = "") -> go.Figure:
                     row=1, col=2, showlegend=False)
     fig.add_scatter(x=[s.max_model_len], y=[s.max_concurrency], mode="markers", name="max_model_len",
                     marker=dict(size=14, color=COLORS["short"]), row=1, col=2)
-    fig.update_xaxes(type="log", title_text="tokens per request", row=1, col=2)
-    fig.update_yaxes(type="log", title_text="requests", row=1, col=2)
+    # label the powers of two drawn, and decades of requests, not plotly's 2-5 minor labels
+    fig.update_xaxes(type="log", title_text="tokens per request", row=1, col=2, tickvals=lengths,
+                     ticktext=[f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths])
+    fig.update_yaxes(type="log", title_text="requests", row=1, col=2, dtick=1)
     fig.update_yaxes(title_text="GiB", row=1, col=1)
     fig.update_layout(barmode="stack", title=title or (
         f"{s.num_blocks:,} blocks of {s.spec.block_size} tokens · {s.num_tokens:,} tokens · "
@@ -133,11 +135,11 @@ def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
                 owner[block] = seq
     width = 32
     rows = [owner[i:i + width] for i in range(0, len(owner), width)]
-    fig = go.Figure(go.Heatmap(z=[[-1 if o is None else o for o in r] for r in rows],
-                               colorscale="Viridis", zmin=-1, showscale=False,
+    # free blocks stay None: blank cells, so the owned ones stand out
+    fig = go.Figure(go.Heatmap(z=rows, colorscale="Viridis", zmin=0, showscale=False, xgap=1, ygap=1,
                                hovertemplate="block %{customdata}: seq %{z}<extra></extra>",
                                customdata=[[i * width + j for j in range(len(r))]
                                            for i, r in enumerate(rows)]))
-    fig.update_layout(title="Block ownership (−1: free)", xaxis_title="block % 32",
+    fig.update_layout(title="Block ownership (colour: sequence; blank: free)", xaxis_title="block % 32",
                       yaxis_title="block // 32", yaxis_autorange="reversed")
     return fig

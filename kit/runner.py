@@ -3,9 +3,10 @@
     python -m kit run [--preset NAME] [NOTEBOOK ...] [-p NAME=VALUE ...] [--out DIR]
 
 Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
-each chapter's recorded results and checks (JSON), its figures, and `summary.json` with the
-parameters, device and versions. A failing notebook does not stop the others; the summary names
-its failing cell. The exit status is non-zero when any notebook or check failed.
+each chapter's recorded results and checks (JSON), its figures, `summary.json` with the
+parameters, device and versions, and `report.html` (kit/report.py). A failing notebook does not
+stop the others; the summary names its failing cell. The exit status is non-zero when any
+notebook or check failed.
 """
 from __future__ import annotations
 
@@ -154,6 +155,8 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
         summary["seconds"] = round(time.perf_counter() - t0, 2)
         (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print_summary(summary["notebooks"], run_path)
+    from kit.report import write_report_safely
+    write_report_safely(run_path)  # never changes the exit status
     return (0 if all(s["ok"] for s in summary["notebooks"]) else 1), run_path
 
 

@@ -1,0 +1,425 @@
+"""The run report: one HTML page per run folder, and two runs side by side.
+
+    python -m kit report RUN_FOLDER          # writes RUN_FOLDER/report.html
+    python -m kit compare RUN_A RUN_B        # writes compare-A-vs-B.html beside RUN_A
+
+The report holds the run's parameters, machine and versions (from `summary.json`), every
+notebook's results and checks (failed notebooks first, with the failing cell), every chapter's
+figures (`figures/*.json`), and links to the executed notebooks rendered as HTML. It works
+offline: plotly.js is copied in once from the installed plotly package, nothing is fetched.
+The runner writes the report at the end of every run.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from pathlib import Path
+
+from kit.config import ConfigError
+from kit.plots import fmt_bytes
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+PLOTLY_FILE = "plotly.min.js"  # beside the notebook pages, which share it
+
+# nbconvert's lab template, minus everything it would fetch from a CDN (require.js, MathJax,
+# mermaid, the widget manager); plotly.js comes from the run folder instead.
+OFFLINE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}<script src="PLOTLY_FILE"></script>{%- endblock html_head_js -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+""".replace("PLOTLY_FILE", PLOTLY_FILE)
+
+CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif;
+       margin: 0 auto; max-width: 1180px; padding: 0 24px 48px; color: #1d2329; }
+h1 { margin: 24px 0 4px; } h2 { margin-top: 36px; border-bottom: 1px solid #dde1e6; }
+h3 { margin: 22px 0 8px; } .sub { color: #5b6570; margin: 0 0 12px; }
+table { border-collapse: collapse; margin: 8px 0 16px; font-size: 14px; }
+th, td { text-align: left; padding: 4px 10px; border-bottom: 1px solid #e6e9ed; vertical-align: top; }
+th { background: #f4f6f8; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code, pre { font: 13px/1.4 ui-monospace, "DejaVu Sans Mono", monospace; }
+pre { background: #f6f8fa; padding: 10px; overflow-x: auto; border-radius: 4px; }
+.banner { padding: 12px 16px; border-radius: 6px; margin: 12px 0; font-size: 17px; }
+.ok { color: #1a7f37; } .fail { color: #cf222e; font-weight: 600; }
+.banner.ok { background: #dafbe1; } .banner.fail { background: #ffebe9; }
+tr.fail td { background: #fff5f4; } tr.diff td { background: #fff8c5; }
+.notebook { border: 1px solid #dde1e6; border-radius: 8px; padding: 4px 18px 12px; margin: 18px 0; }
+.notebook.failed { border-color: #cf222e; border-width: 2px; }
+.figure { width: 100%; height: 460px; margin: 8px 0 20px; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 16px; }
+.pair .figure { height: 420px; }
+details > summary { cursor: pointer; color: #0969da; margin: 6px 0; }
+nav a { margin-right: 14px; }
+"""
+
+
+# ---------------------------------------------------------------- reading a run folder
+
+def load_run(folder) -> dict:
+    """summary.json of a run folder, each notebook's recorded results filled in."""
+    folder = Path(folder)
+    path = folder / "summary.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder} is not a run folder (no summary.json); give a folder "
+                          "that `python -m kit run` wrote, e.g. runs/<stamp>-cpu-small")
+    summary = json.loads(path.read_text())
+    for nb in summary.get("notebooks", []):
+        recorded = folder / f"{nb['notebook']}.json"
+        if nb.get("recorded") is None and recorded.is_file():
+            nb["recorded"] = json.loads(recorded.read_text())
+        nb["recorded"] = nb.get("recorded") or {"results": {}, "checks": [], "figures": []}
+    summary["folder"] = folder
+    return summary
+
+
+def figures_of(folder: Path, chapter: str) -> list[Path]:
+    """The chapter's figures (plotly JSON files named CHAPTER--NAME.json)."""
+    return sorted((folder / "figures").glob(f"{chapter}--*.json"))
+
+
+def failures_first(notebooks: list[dict]) -> list[dict]:
+    return sorted(notebooks, key=lambda nb: nb["ok"])  # stable: run order within each group
+
+
+def flatten(results: dict, prefix: str = "") -> dict:
+    """Nested results as one level of dotted names."""
+    out = {}
+    for key, value in results.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def fmt(name: str, value) -> str:
+    """A recorded value for people: bytes also in MiB/GiB, seconds in s or ms."""
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "no", None: "–"}[value]
+    if is_number(value):
+        if name.endswith(("_bytes", "memory")) and abs(value) >= 1024:
+            return f"{value:,} ({fmt_bytes(value)})"
+        if name.endswith(("_seconds", "_s")):
+            return f"{value * 1e3:.3g} ms" if abs(value) < 1 else f"{value:,.3g} s"
+        return f"{value:,}" if isinstance(value, int) else f"{value:,.6g}"
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 160 else text[:157] + "…"
+
+
+# ---------------------------------------------------------------- HTML pieces
+
+def esc(value) -> str:
+    return html.escape(str(value))
+
+
+def table(rows: list[list], head: list[str], row_class=None, numeric=()) -> str:
+    """A table of already-escaped cells; `numeric` columns are right-aligned."""
+    out = ["<table><thead><tr>", *(f"<th>{esc(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    for i, row in enumerate(rows):
+        cls = row_class(i) if row_class else ""
+        out.append(f'<tr class="{cls}">' if cls else "<tr>")
+        out += [f'<td class="num">{c}</td>' if j in numeric else f"<td>{c}</td>"
+                for j, c in enumerate(row)]
+        out.append("</tr>")
+    return "".join(out) + "</tbody></table>"
+
+
+def key_values(mapping: dict) -> str:
+    return table([[f"<code>{esc(k)}</code>", esc(fmt(k, v))] for k, v in mapping.items()],
+                 ["name", "value"])
+
+
+class Figures:
+    """Figure placeholders whose plotly JSON travels in the page; one script draws them all."""
+
+    def __init__(self):
+        self.count = 0
+
+    def div(self, path: Path, label: str = "") -> str:
+        self.count += 1
+        data = path.read_text().replace("</", "<\\/")  # keep "</script>" out of the JSON
+        name = path.stem.split("--", 1)[-1]
+        return (f'<div class="figure kit-figure" id="figure-{self.count}" '
+                f'data-name="{esc(path.stem)}" title="{esc(label or name)}"></div>'
+                f'<script type="application/json" id="figure-{self.count}-json">{data}</script>')
+
+
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+    return get_plotlyjs()
+
+
+DRAW_FIGURES = """
+document.querySelectorAll(".kit-figure").forEach(function (div) {
+  var fig = JSON.parse(document.getElementById(div.id + "-json").textContent);
+  var layout = Object.assign({}, fig.layout || {}, {autosize: true});
+  delete layout.width; delete layout.height;
+  Plotly.newPlot(div, fig.data || [], layout, {responsive: true, displaylogo: false})
+    .then(function () { div.classList.add("kit-drawn"); });
+});
+"""
+
+
+def page(title: str, body: str, has_figures: bool) -> str:
+    scripts = (f"<script>{plotly_js()}</script><script>{DRAW_FIGURES}</script>"
+               if has_figures else "")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{esc(title)}</title><style>{CSS}</style></head>"
+            f"<body>{body}{scripts}</body></html>")
+
+
+# ---------------------------------------------------------------- executed notebooks as HTML
+
+def notebook_page(ipynb: Path) -> Path:
+    """Render an executed notebook as HTML beside it, offline: plotly outputs drawn with the
+    run folder's plotly.js, widgets (not live in a static page) replaced by a note."""
+    import jinja2
+    import nbformat
+    import plotly.io as pio
+    from nbconvert import HTMLExporter
+    nb = nbformat.read(ipynb, as_version=4)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if PLOTLY_MIME in data:
+                data["text/html"] = pio.to_html(dict(data.pop(PLOTLY_MIME)), full_html=False,
+                                                include_plotlyjs=False, validate=False)
+            if WIDGET_MIME in data:
+                data.clear()
+                data["text/html"] = ("<p><i>An interactive widget: open the notebook in "
+                                     "JupyterLab to use it.</i></p>")
+    exporter = HTMLExporter(template_name="lab", template_file="kit_offline.html.j2",
+                            extra_loaders=[jinja2.DictLoader(
+                                {"kit_offline.html.j2": OFFLINE_TEMPLATE})])
+    body, _ = exporter.from_notebook_node(nb)
+    out = ipynb.with_suffix(".html")
+    out.write_text(body, encoding="utf-8")
+    return out
+
+
+def notebook_pages(folder: Path, notebooks: list[dict]) -> dict[str, str]:
+    """Render every executed notebook; returns notebook -> relative link (failures noted)."""
+    links = {}
+    for nb in notebooks:
+        ipynb = folder / f"{nb['notebook']}.ipynb"
+        if not ipynb.is_file():
+            continue
+        try:
+            links[nb["notebook"]] = notebook_page(ipynb).name
+        except Exception as e:  # a page we cannot render must not cost the report
+            print(f"report: could not render {ipynb.name} as HTML ({type(e).__name__}: {e})")
+    if links:
+        (folder / PLOTLY_FILE).write_text(plotly_js(), encoding="utf-8")
+    return links
+
+
+# ---------------------------------------------------------------- the report of one run
+
+def status_banner(notebooks: list[dict]) -> str:
+    failed = [nb for nb in notebooks if not nb["ok"]]
+    checks = [c for nb in notebooks for c in nb["recorded"].get("checks", [])]
+    passed = sum(c["ok"] for c in checks)
+    if not notebooks:
+        return '<div class="banner fail">No notebook ran.</div>'
+    if failed:
+        return (f'<div class="banner fail">{len(failed)} of {len(notebooks)} notebooks failed '
+                f'({passed}/{len(checks)} checks passed): '
+                + ", ".join(esc(nb["notebook"]) for nb in failed) + "</div>")
+    return (f'<div class="banner ok">All {len(notebooks)} notebooks passed, '
+            f"{passed}/{len(checks)} checks.</div>")
+
+
+def failing_cell(nb: dict, link: str | None) -> str:
+    err = nb.get("error")
+    if not err:
+        return ""
+    where = "before any cell ran"
+    if err.get("cell_index") is not None:
+        where = f"cell {err['cell_index']} of the executed notebook"
+        if link:  # papermill marks the failing cell with this anchor
+            where = f'<a href="{esc(link)}#papermill-error-cell">{where}</a>'
+    source = (f'<p class="sub">the cell:</p><pre>{esc(err["source"])}</pre>'
+              if err.get("source") else "")
+    return (f'<h3 class="fail">Failed in {where}: {esc(err.get("ename"))}</h3>'
+            f"<pre>{esc(err.get('evalue'))}</pre>{source}")
+
+
+def checks_table(checks: list[dict]) -> str:
+    if not checks:
+        return '<p class="fail">No checks recorded.</p>'
+    ordered = sorted(checks, key=lambda c: c["ok"])
+    rows = [['<span class="ok">PASS</span>' if c["ok"] else '<span class="fail">FAIL</span>',
+             esc(c["name"]), esc(c.get("detail", ""))] for c in ordered]
+    return table(rows, ["", "check", "detail"],
+                 row_class=lambda i: "" if ordered[i]["ok"] else "fail")
+
+
+def notebook_section(folder: Path, nb: dict, link: str | None, figs: Figures) -> str:
+    rec = nb["recorded"]
+    checks = rec.get("checks", [])
+    passed = sum(c["ok"] for c in checks)
+    status = '<span class="ok">ok</span>' if nb["ok"] else '<span class="fail">FAILED</span>'
+    links = (f'<a href="{esc(link)}">executed notebook</a> · ' if link else "") + \
+        f'<a href="{esc(nb["notebook"])}.ipynb">.ipynb</a>'
+    parts = [f'<section class="notebook{"" if nb["ok"] else " failed"}" id="{esc(nb["notebook"])}">',
+             f'<h2>{esc(nb["notebook"])} {status}</h2>',
+             f'<p class="sub">{passed}/{len(checks)} checks passed · '
+             f'{nb.get("seconds", 0):.1f} s · {links}</p>',
+             failing_cell(nb, link), "<h3>Checks</h3>", checks_table(checks)]
+    results = flatten(rec.get("results", {}))
+    if results:
+        parts += [f"<details{' open' if len(results) <= 40 else ''}><summary>Results "
+                  f"({len(results)} recorded)</summary>", key_values(results), "</details>"]
+    paths = figures_of(folder, nb["notebook"])
+    if paths:
+        parts.append("<h3>Figures</h3>")
+        parts += [figs.div(p) for p in paths]
+    return "".join(parts) + "</section>"
+
+
+def render_report(folder, links: dict | None = None) -> str:
+    """The report page of one run folder, as HTML text."""
+    run = load_run(folder)
+    folder = run["folder"]
+    notebooks = failures_first(run.get("notebooks", []))
+    links = links or {}
+    figs = Figures()
+    nav = " ".join(f'<a href="#{esc(nb["notebook"])}" class="{"ok" if nb["ok"] else "fail"}">'
+                   f'{esc(nb["notebook"])}</a>' for nb in notebooks)
+    params = run.get("parameters") or {}
+    body = [f"<h1>Run {esc(folder.name)}</h1>",
+            f'<p class="sub">preset <code>{esc(run.get("preset"))}</code> · device '
+            f'<code>{esc(run.get("machine", {}).get("device"))}</code> · '
+            f'{run.get("seconds", 0):.0f} s in all · written by <code>python -m kit report</code></p>',
+            status_banner(notebooks), f"<nav>{nav}</nav>",
+            "<h2>Parameters</h2>",
+            f"<p>Overrides of the preset: {esc(params) if params else 'none'}.</p>",
+            key_values(run.get("settings", {})),
+            "<h2>Machine and versions</h2>", '<div class="pair"><div>',
+            key_values(run.get("machine", {})), "</div><div>",
+            key_values(run.get("versions", {})), "</div></div>"]
+    body += [notebook_section(folder, nb, links.get(nb["notebook"]), figs) for nb in notebooks]
+    return page(f"Run {folder.name}", "".join(body), figs.count > 0)
+
+
+def write_report(folder) -> Path:
+    """Render the executed notebooks and write FOLDER/report.html; returns its path."""
+    folder = Path(folder)
+    run = load_run(folder)
+    links = notebook_pages(folder, run.get("notebooks", []))
+    out = folder / "report.html"
+    out.write_text(render_report(folder, links), encoding="utf-8")
+    return out
+
+
+def write_report_safely(folder) -> Path | None:
+    """The runner's call: a report that cannot be written never fails the run."""
+    try:
+        path = write_report(folder)
+    except Exception as e:
+        print(f"report: not written ({type(e).__name__}: {e}); "
+              f"try `python -m kit report {folder}`")
+        return None
+    print(f"report: {path}")
+    return path
+
+
+# ---------------------------------------------------------------- two runs side by side
+
+def numeric_rows(a: dict, b: dict) -> list[tuple[str, str, object, object]]:
+    """(chapter, name, A, B) for every recorded number of either run."""
+    rows = []
+    chapters = list(dict.fromkeys([nb["notebook"] for nb in a["notebooks"] + b["notebooks"]]))
+    for chapter in chapters:
+        ra, rb = (flatten(next((nb["recorded"]["results"] for nb in run["notebooks"]
+                                if nb["notebook"] == chapter), {})) for run in (a, b))
+        for name in dict.fromkeys([*ra, *rb]):
+            va, vb = ra.get(name), rb.get(name)
+            if is_number(va) or is_number(vb):
+                rows.append((chapter, name, va, vb))
+    return rows
+
+
+def ratio(va, vb) -> float | None:
+    return vb / va if is_number(va) and is_number(vb) and va != 0 else None
+
+
+def side_by_side(title: str, a: dict, b: dict) -> str:
+    keys = list(dict.fromkeys([*a, *b]))
+    rows = [[f"<code>{esc(k)}</code>", esc(fmt(k, a.get(k))), esc(fmt(k, b.get(k)))] for k in keys]
+    return f"<h3>{esc(title)}</h3>" + table(
+        rows, ["name", "A", "B"], row_class=lambda i: "diff" if a.get(keys[i]) != b.get(keys[i]) else "")
+
+
+def render_compare(folder_a, folder_b) -> str:
+    """Two runs side by side: what differs, every recorded number with B/A, the figures."""
+    a, b = load_run(folder_a), load_run(folder_b)
+    name_a, name_b = a["folder"].name, b["folder"].name
+    figs = Figures()
+    status = {nb["notebook"]: {} for nb in a["notebooks"] + b["notebooks"]}
+    for side, run in (("A", a), ("B", b)):
+        for nb in run["notebooks"]:
+            checks = nb["recorded"].get("checks", [])
+            status[nb["notebook"]][side] = (
+                f'<span class="{"ok" if nb["ok"] else "fail"}">{"ok" if nb["ok"] else "FAILED"}'
+                f'</span> {sum(c["ok"] for c in checks)}/{len(checks)} checks, {nb["seconds"]:.1f} s')
+    rows = numeric_rows(a, b)
+    ratios = [ratio(va, vb) for _, _, va, vb in rows]
+    body = [f"<h1>{esc(name_a)} vs {esc(name_b)}</h1>",
+            f'<p class="sub">A = <code>{esc(a["folder"])}</code><br>B = <code>{esc(b["folder"])}</code>'
+            "<br>Rows that differ are highlighted; ratios are B ÷ A.</p>",
+            "<h2>Notebooks</h2>",
+            table([[esc(n), s.get("A", "–"), s.get("B", "–")] for n, s in status.items()],
+                  ["notebook", "A", "B"]),
+            "<h2>What differs</h2>",
+            side_by_side("Parameters", {"preset": a.get("preset"), **(a.get("parameters") or {})},
+                         {"preset": b.get("preset"), **(b.get("parameters") or {})}),
+            side_by_side("Settings", a.get("settings", {}), b.get("settings", {})),
+            side_by_side("Machine", a.get("machine", {}), b.get("machine", {})),
+            side_by_side("Versions", a.get("versions", {}), b.get("versions", {})),
+            f"<h2>Recorded numbers ({len(rows)})</h2>",
+            table([[esc(ch), f"<code>{esc(n)}</code>", esc(fmt(n, va)), esc(fmt(n, vb)),
+                    "–" if r is None else f"{r:.4g}×"]
+                   for (ch, n, va, vb), r in zip(rows, ratios)],
+                  ["chapter", "result", "A", "B", "B ÷ A"], numeric={2, 3, 4},
+                  row_class=lambda i: "diff" if ratios[i] is None or abs(ratios[i] - 1) > 0.01
+                  else ""),
+            "<h2>Figures</h2>"]
+    names = sorted({p.name for run in (a, b) for p in (run["folder"] / "figures").glob("*.json")})
+    for name in names:
+        pair = [a["folder"] / "figures" / name, b["folder"] / "figures" / name]
+        body.append(f"<h3>{esc(Path(name).stem)}</h3><div class=\"pair\">")
+        body += [f"<div><p class=\"sub\">{side}</p>"
+                 + (figs.div(p, f"{side}: {p.stem}") if p.is_file() else "<p>not in this run</p>")
+                 + "</div>" for side, p in zip("AB", pair)]
+        body.append("</div>")
+    return page(f"{name_a} vs {name_b}", "".join(body), figs.count > 0)
+
+
+def write_compare(folder_a, folder_b, out=None) -> Path:
+    """Write the comparison page (default: compare-A-vs-B.html beside run A)."""
+    folder_a, folder_b = Path(folder_a), Path(folder_b)
+    out = Path(out) if out else folder_a.parent / f"compare-{folder_a.name}-vs-{folder_b.name}.html"
+    out.write_text(render_compare(folder_a, folder_b), encoding="utf-8")
+    return out
+
+
+def add_cli(sub) -> None:
+    """The `report` and `compare` commands of `python -m kit`."""
+    p = sub.add_parser("report", help="write a run folder's report.html (offline HTML page)")
+    p.add_argument("run", type=Path, help="a folder written by `python -m kit run`")
+    p.set_defaults(func=lambda a: print(f"report: {write_report(a.run)}") or 0)
+    p = sub.add_parser("compare", help="two runs side by side (numbers with ratios, figures)")
+    p.add_argument("run_a", type=Path)
+    p.add_argument("run_b", type=Path)
+    p.add_argument("--out", type=Path, help="the HTML file to write (default: beside RUN_A)")
+    p.set_defaults(func=lambda a: print(f"compare: {write_compare(a.run_a, a.run_b, a.out)}") or 0)
