@@ -20,4 +20,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${pip[@]}" -e ".[test]"
     echo "$want" > "$stamp"
 fi
+# The browser tests (tests/test_browser.py) drive Debian's Chromium; they never download one.
+# Installed here when missing and apt-get can run without a password; quick when present.
+if [ -z "${KIT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+    if command -v apt-get >/dev/null && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+        echo "setup.sh: installing Debian's chromium for the browser tests ..."
+        { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+            --no-install-recommends chromium fonts-dejavu-core >/dev/null; } ||
+            echo "setup.sh: could not install chromium; the browser tests will fail until it is" >&2
+    else
+        echo "setup.sh: no Chromium found: the notebooks work without it, but the browser tests need" \
+             "it (apt-get install chromium, or set KIT_CHROMIUM=/path/to/chromium)." >&2
+    fi
+fi
 .venv/bin/python -c 'import torch, papermill, plotly; print(f"setup.sh: ready (torch {torch.__version__})")'

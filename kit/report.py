@@ -50,7 +50,8 @@ tr.fail td { background: #fff5f4; } tr.diff td { background: #fff8c5; }
 .notebook.failed { border-color: #cf222e; border-width: 2px; }
 .figure { width: 100%; height: 460px; margin: 8px 0 20px; }
 .pair { display: grid; grid-template-columns: 1fr 1fr; gap: 16px; }
-.pair .figure { height: 420px; }
+.figpair { display: grid; grid-template-columns: repeat(auto-fit, minmax(620px, 1fr)); gap: 16px; }
+body.wide { max-width: 1840px; }  /* two figures side by side on a wide screen, else stacked */
 details > summary { cursor: pointer; color: #0969da; margin: 6px 0; }
 nav a { margin-right: 14px; }
 """
@@ -142,12 +143,11 @@ class Figures:
     def __init__(self):
         self.count = 0
 
-    def div(self, path: Path, label: str = "") -> str:
+    def div(self, path: Path, compact: bool = False) -> str:
         self.count += 1
         data = path.read_text().replace("</", "<\\/")  # keep "</script>" out of the JSON
-        name = path.stem.split("--", 1)[-1]
-        return (f'<div class="figure kit-figure" id="figure-{self.count}" '
-                f'data-name="{esc(path.stem)}" title="{esc(label or name)}"></div>'
+        return (f'<div class="figure kit-figure{" compact" if compact else ""}" '
+                f'id="figure-{self.count}" data-name="{esc(path.stem)}"></div>'
                 f'<script type="application/json" id="figure-{self.count}-json">{data}</script>')
 
 
@@ -161,19 +161,24 @@ document.querySelectorAll(".kit-figure").forEach(function (div) {
   var fig = JSON.parse(document.getElementById(div.id + "-json").textContent);
   var layout = Object.assign({}, fig.layout || {}, {autosize: true});
   delete layout.width; delete layout.height;
+  if (div.classList.contains("compact")) {  // half width, beside the other run's figure
+    var title = typeof layout.title === "string" ? {text: layout.title} : (layout.title || {});
+    layout.title = Object.assign({}, title, {font: {size: 14}});
+    layout.font = {size: 11};
+  }
   Plotly.newPlot(div, fig.data || [], layout, {responsive: true, displaylogo: false})
     .then(function () { div.classList.add("kit-drawn"); });
 });
 """
 
 
-def page(title: str, body: str, has_figures: bool) -> str:
+def page(title: str, body: str, has_figures: bool, wide: bool = False) -> str:
     scripts = (f"<script>{plotly_js()}</script><script>{DRAW_FIGURES}</script>"
                if has_figures else "")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{esc(title)}</title><style>{CSS}</style></head>"
-            f"<body>{body}{scripts}</body></html>")
+            f"<body{' class=wide' if wide else ''}>{body}{scripts}</body></html>")
 
 
 # ---------------------------------------------------------------- executed notebooks as HTML
@@ -376,7 +381,8 @@ def render_compare(folder_a, folder_b) -> str:
     ratios = [ratio(va, vb) for _, _, va, vb in rows]
     body = [f"<h1>{esc(name_a)} vs {esc(name_b)}</h1>",
             f'<p class="sub">A = <code>{esc(a["folder"])}</code><br>B = <code>{esc(b["folder"])}</code>'
-            "<br>Rows that differ are highlighted; ratios are B ÷ A.</p>",
+            "<br>Rows that differ are highlighted (numbers: by more than 1%); ratios are B ÷ A."
+            "</p>",
             "<h2>Notebooks</h2>",
             table([[esc(n), s.get("A", "–"), s.get("B", "–")] for n, s in status.items()],
                   ["notebook", "A", "B"]),
@@ -391,18 +397,20 @@ def render_compare(folder_a, folder_b) -> str:
                     "–" if r is None else f"{r:.4g}×"]
                    for (ch, n, va, vb), r in zip(rows, ratios)],
                   ["chapter", "result", "A", "B", "B ÷ A"], numeric={2, 3, 4},
-                  row_class=lambda i: "diff" if ratios[i] is None or abs(ratios[i] - 1) > 0.01
+                  row_class=lambda i: "diff" if ratios[i] is not None and abs(ratios[i] - 1) > 0.01
                   else ""),
             "<h2>Figures</h2>"]
     names = sorted({p.name for run in (a, b) for p in (run["folder"] / "figures").glob("*.json")})
     for name in names:
-        pair = [a["folder"] / "figures" / name, b["folder"] / "figures" / name]
-        body.append(f"<h3>{esc(Path(name).stem)}</h3><div class=\"pair\">")
-        body += [f"<div><p class=\"sub\">{side}</p>"
-                 + (figs.div(p, f"{side}: {p.stem}") if p.is_file() else "<p>not in this run</p>")
-                 + "</div>" for side, p in zip("AB", pair)]
-        body.append("</div>")
-    return page(f"{name_a} vs {name_b}", "".join(body), figs.count > 0)
+        pair = {side: run["folder"] / "figures" / name for side, run in (("A", a), ("B", b))}
+        body.append(f"<h3>{esc(Path(name).stem)}</h3>")
+        if all(p.is_file() for p in pair.values()):
+            body += ['<div class="figpair">', *(f'<div><p class="sub">{side}</p>{figs.div(p, True)}'
+                                             "</div>" for side, p in pair.items()), "</div>"]
+        else:  # in one run only: full width
+            side, p = next((side, p) for side, p in pair.items() if p.is_file())
+            body += [f'<p class="sub">only in {side}</p>', figs.div(p)]
+    return page(f"{name_a} vs {name_b}", "".join(body), figs.count > 0, wide=True)
 
 
 def write_compare(folder_a, folder_b, out=None) -> Path:

@@ -5,7 +5,7 @@ import ipywidgets as w
 from IPython.display import display
 
 from kit.config import MODELS_DIR, ModelConfig, known_names
-from kit.kv_cache import KV_CACHE_DTYPES, estimate_activation_bytes, split_budget
+from kit.kv_cache import KV_CACHE_DTYPES, device_name, estimate_activation_bytes, split_budget
 from kit.plots import kv_calculator as calculator_figure
 
 GiB = 2**30
@@ -22,6 +22,7 @@ def calculate(settings, measured_activation_bytes: int, model: str | None = None
         activations, source = estimate_activation_bytes(
             arch, settings.max_num_batched_tokens, settings.max_num_seqs,
             settings.dtype_bytes), "estimated"
+    knobs.setdefault("device", device_name(settings.device))  # the log line's "CPU"/"GPU"
     return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
 
 

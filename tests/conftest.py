@@ -1,6 +1,15 @@
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+from kit.runner import run
+
+ROOT = Path(__file__).resolve().parent.parent
+# Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.
+ARTIFACTS = Path(os.environ.get("KIT_TEST_ARTIFACTS") or ROOT / "runs" / "browser-tests")
+_ARTIFACTS_WRITTEN = pytest.StashKey[list]()
 
 
 @pytest.fixture(autouse=True)
@@ -8,3 +17,39 @@ def _keep_run_dir_env(monkeypatch):
     """The runner sets KIT_RUN_DIR for its kernels; keep that from leaking between tests."""
     monkeypatch.delenv("KIT_RUN_DIR", raising=False)
     yield
+
+
+@pytest.fixture(scope="session")
+def cpu_small_run(tmp_path_factory):
+    """Every chapter run once on cpu-small, shared by the notebook, report and browser tests."""
+    code, folder = run("cpu-small", out=tmp_path_factory.mktemp("runs"), progress=False)
+    return code, json.loads((folder / "summary.json").read_text()), folder
+
+
+@pytest.fixture(scope="session")
+def not_ready_run(tmp_path_factory):
+    """A small passing notebook, then chapter 00 on a 32 MiB device: its budget check fails, so
+    the run has a failure after a success (for the report) and a real NOT READY verdict."""
+    fixture = Path(__file__).parent / "fixtures" / "passing.ipynb"
+    code, folder = run("cpu-small", [str(fixture), "00"], {"device_memory": "32MiB"},
+                       out=tmp_path_factory.mktemp("runs"), progress=False)
+    return code, json.loads((folder / "summary.json").read_text()), folder
+
+
+@pytest.fixture
+def artifact(request):
+    """artifact("name.png") -> a path under ARTIFACTS, listed at the end of the test session."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    def path(name: str) -> Path:
+        request.config.stash.setdefault(_ARTIFACTS_WRITTEN, []).append(ARTIFACTS / name)
+        return ARTIFACTS / name
+    return path
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    written = [p for p in config.stash.get(_ARTIFACTS_WRITTEN, []) if p.is_file()]
+    if written:
+        terminalreporter.write_sep("-", f"test artifacts in {ARTIFACTS}")
+        for p in written:
+            terminalreporter.write_line(f"  {p.name}")

@@ -1,18 +1,13 @@
-"""Every chapter executed headless on cpu-small, through the runner, as a learner would."""
+"""Every chapter executed headless on cpu-small, through the runner, as a learner would
+(the run is the session fixture `cpu_small_run` of conftest.py); notebooks stored workshop-ready."""
 import json
 
 import nbformat
 import pytest
 
-from kit.runner import NOTEBOOKS_DIR, find_notebooks, run
+from kit.runner import NOTEBOOKS_DIR, find_notebooks
 
 CHAPTERS = [p.stem for p in find_notebooks([])]
-
-
-@pytest.fixture(scope="module")
-def cpu_small_run(tmp_path_factory):
-    code, folder = run("cpu-small", out=tmp_path_factory.mktemp("runs"), progress=False)
-    return code, json.loads((folder / "summary.json").read_text()), folder
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -38,11 +33,40 @@ def test_chapter_01_records_the_numbers_it_shows(cpu_small_run):
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
-def test_notebooks_are_stored_clean(path):
+def test_notebooks_are_stored_clean_and_workshop_ready(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata["kernelspec"]["name"] == "python3" and nb.metadata["language_info"]["name"] == "python"
+    # stored without outputs, nor what a run or JupyterLab leaves behind
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code)
+    assert not {"widgets", "papermill"} & set(nb.metadata), "saved with run or widget state"
+    assert all("execution" not in c.metadata and "papermill" not in c.metadata for c in nb.cells)
     assert "parameters" in code[0].metadata.get("tags", [])
-    assert nb.cells[0].cell_type == "markdown" and "Time on `cpu-small`" in nb.cells[0].source
+    # opens with what it teaches and how long it takes ...
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and "Time on `cpu-small`" in first.source
+    assert "teaches" in first.source.lower()
+    # ... and ends with things to try (a list of them), then the recorder's finish
+    markdown = [c for c in nb.cells if c.cell_type == "markdown"]
+    to_try = markdown[-1].source.split("Things to try", 1)
+    assert len(to_try) == 2 and to_try[1].count("\n- ") >= 2, "the last text lacks 'Things to try'"
+    assert nb.cells[-1].cell_type == "code" and nb.cells[-1].source.strip() == "rec.finish()"
+
+
+def test_chapter_00_gives_a_verdict(cpu_small_run):
+    """The setup check ends in READY (here) and knows what to do for every check it makes."""
+    from kit.device import fix_for, readiness
+    _, _, folder = cpu_small_run
+    recorded = json.loads((folder / "00_setup_check.json").read_text())
+    assert recorded["results"]["ready"] is True and recorded["results"]["setup_check_seconds"] > 0
+    assert all(fix_for(c["name"]) for c in recorded["checks"]), "a check without a fix"
+    executed = nbformat.read(folder / "00_setup_check.ipynb", as_version=4)
+    shown = [o["data"]["text/plain"] for c in executed.cells for o in c.get("outputs", [])
+             if "READY" in o.get("data", {}).get("text/plain", "")]
+    assert shown and shown[0].startswith("READY: all")
+    # the same checks with the compile probe failed, as on a machine without a C++ compiler
+    failed = [dict(c, ok=not c["name"].startswith("torch.compile")) for c in recorded["checks"]]
+    verdict = readiness(failed, 12.0)
+    assert not verdict.ready and [n for n, _ in verdict.todo] == ["torch.compile works here"]
+    assert "C++ compiler" in repr(verdict) and "NOT READY" in verdict._repr_html_()

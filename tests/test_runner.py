@@ -28,6 +28,9 @@ def test_broken_notebook_is_reported_and_the_others_still_run(tmp_path, capsys):
     assert (folder / "00_setup_check.json").is_file()
     out = capsys.readouterr().out
     assert "cell 3: RuntimeError: deliberately broken" in out
+    # the run's report shows the failing cell (kit/report.py; tests/test_report.py for more)
+    assert f"report: {folder / 'report.html'}" in out
+    assert "<pre>raise RuntimeError(&quot;deliberately broken&quot;)</pre>" in (folder / "report.html").read_text()
 
 
 def test_failed_check_fails_the_run_and_is_named(tmp_path):

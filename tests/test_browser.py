@@ -1,0 +1,246 @@
+"""JupyterLab and the run report in a real browser: Debian's Chromium, driven by Playwright.
+
+The tests never download a browser: they launch the system's Chromium (`./setup.sh` installs
+Debian's with apt-get; `KIT_CHROMIUM` names another) and fail, saying so, when it is missing.
+Screenshots go to the folder named at the end of the test session (conftest.ARTIFACTS).
+"""
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from kit.report import write_compare
+from kit.runner import NOTEBOOKS_DIR
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+NO_CHROMIUM = ("Chromium not found (looked at $KIT_CHROMIUM, then `chromium` and `chromium-browser` "
+               "on PATH). Run ./setup.sh, which installs Debian's chromium with apt-get, or "
+               "`apt-get install chromium`, or set KIT_CHROMIUM=/path/to/chromium. These tests "
+               "never download a browser.")
+
+
+def chromium_path() -> str:
+    path = (os.environ.get("KIT_CHROMIUM") or shutil.which("chromium")
+            or shutil.which("chromium-browser"))
+    if not path or not os.access(path, os.X_OK):
+        pytest.fail(NO_CHROMIUM, pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is not installed: run ./setup.sh (it is in the test extra)",
+                    pytrace=False)
+    executable = chromium_path()
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+class Watched:
+    """A page whose JavaScript errors and requests outside `allowed` origins are collected
+    (those requests are refused, so nothing reaches a network)."""
+
+    def __init__(self, browser, allowed: tuple[str, ...], width=1400, height=1000):
+        self.context = browser.new_context(viewport={"width": width, "height": height})
+        self.errors, self.refused = [], []
+        self.context.route("**/*", self._route(allowed))
+        self.page = self.context.new_page()
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(
+            f"console error: {m.text}"))
+
+    def _route(self, allowed):
+        def handle(route):
+            if route.request.url.startswith(allowed):
+                route.continue_()
+            else:
+                self.refused.append(route.request.url)
+                route.abort()
+        return handle
+
+    def close(self):
+        self.context.close()
+
+
+# ------------------------------------------------------------------ JupyterLab
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on 127.0.0.1 with a token, serving a copy of chapter 02 (Lab saves into the
+    file it opens); its kernels record into a temporary run folder. Torn down after."""
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copy(NOTEBOOKS_DIR / "02_kv_cache.ipynb", root)
+    settings = root / ".settings"
+    news = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True)
+    news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, KIT_RUN_DIR=str(root / "runs"), JUPYTERLAB_SETTINGS_DIR=str(settings),
+               JUPYTERLAB_WORKSPACES_DIR=str(root / ".workspaces"),
+               JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    log = root / "jupyterlab.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield SimpleNamespace(url=url, token=token, root=root, log=log)
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def blocks(numbers: str) -> int:
+    """The block count the calculator shows ("57,406 blocks · ...")."""
+    return int(re.match(r"\s*([\d,]+) blocks", numbers).group(1).replace(",", ""))
+
+
+def test_calculator_in_jupyterlab(browser, lab, artifact):
+    """Run chapter 02 in JupyterLab, move the calculator's controls: numbers and figure follow."""
+    failure_shot = artifact("jupyterlab-02-failure.png")
+    failure_shot.unlink(missing_ok=True)  # from an earlier session
+    w = Watched(browser, (lab.url,))
+    page = w.page
+    try:
+        page.goto(f"{lab.url}/lab/tree/02_kv_cache.ipynb?token={lab.token}")
+        # the status bar says Idle once the kernel is started and connected, not before
+        page.get_by_text(re.compile(r"^Python 3 \(ipykernel\) \| Idle$")).wait_for(timeout=90_000)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        page.locator(".jp-InputPrompt").filter(has_text="[1]:").wait_for(timeout=60_000)
+        finished = page.get_by_text(re.compile(r"02_kv_cache: \d+/\d+ checks passed"))
+        finished.wait_for(timeout=240_000)
+        passed, total = map(int, re.search(r"(\d+)/(\d+)", finished.inner_text()).groups())
+        assert passed == total >= 3
+
+        calculator = page.locator(".widget-vbox").filter(has=page.locator(".kit-calculator-numbers"))
+        numbers = calculator.locator(".kit-calculator-numbers")
+        figure = calculator.locator(".js-plotly-plot")
+
+        def drawn():
+            """(figure title, KV cache bar in GiB) as plotly drew them."""
+            title = figure.locator(".gtitle").text_content()
+            kv = figure.evaluate("gd => gd.data.find(t => t.name === 'KV cache').y[0]")
+            return title, kv
+
+        start = numbers.inner_text()
+        title, kv = drawn()
+        assert title.startswith(f"{blocks(start):,} blocks")
+
+        # drag gpu_memory_utilization to the left: less memory for the cache
+        slider = calculator.locator(".widget-slider").filter(has_text="gpu_memory_utilization")
+        handle = slider.locator(".noUi-handle")
+        handle.scroll_into_view_if_needed()
+        box = handle.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.mouse.move(box["x"] - 60, box["y"] + box["height"] / 2, steps=8)
+        page.mouse.up()
+        page.wait_for_function("([el, before]) => el.innerText !== before",
+                               arg=[numbers.element_handle(), start], timeout=30_000)
+        moved = numbers.inner_text()
+        assert float(slider.locator(".widget-readout").inner_text()) < 0.9
+        assert blocks(moved) < blocks(start)
+        page.wait_for_function(
+            "([box, text]) => (box.querySelector('.js-plotly-plot .gtitle') || {}).textContent"
+            "?.startsWith(text)", arg=[calculator.element_handle(), f"{blocks(moved):,} blocks"],
+            timeout=30_000)
+        assert drawn()[1] < kv
+
+        # one byte per element instead of two: twice the blocks from the same budget
+        calculator.locator(".widget-dropdown").filter(has_text="kv_cache_dtype") \
+            .locator("select").select_option("fp8")
+        page.wait_for_function("([el, before]) => el.innerText !== before",
+                               arg=[numbers.element_handle(), moved], timeout=30_000)
+        fp8 = numbers.inner_text()
+        assert blocks(fp8) in (2 * blocks(moved), 2 * blocks(moved) + 1)
+        page.wait_for_function(
+            "([box, text]) => (box.querySelector('.js-plotly-plot .gtitle') || {}).textContent"
+            "?.startsWith(text)", arg=[calculator.element_handle(), f"{blocks(fp8):,} blocks"],
+            timeout=30_000)
+
+        calculator.scroll_into_view_if_needed()
+        page.screenshot(path=artifact("jupyterlab-02-calculator.png"))
+        assert not w.errors, w.errors
+        assert not w.refused, f"JupyterLab asked for more than its server: {w.refused}"
+    except Exception:
+        page.screenshot(path=failure_shot)
+        raise
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------ the report pages
+
+def open_offline(browser, path, artifact, shot: str):
+    """Open a local page with every network request refused; wait for its figures."""
+    w = Watched(browser, ("file://",), width=1280, height=900)
+    w.page.goto(path.as_uri())
+    w.page.wait_for_load_state("load")
+    w.page.wait_for_function(
+        "() => [...document.querySelectorAll('.kit-figure')].every(d => d.classList.contains('kit-drawn'))",
+        timeout=30_000)
+    w.page.screenshot(path=artifact(shot), full_page=True)
+    return w
+
+
+def figures_drawn(page, selector: str) -> list[int]:
+    """For each figure: how many traces plotly drew in its SVG (0 when not drawn)."""
+    return page.eval_on_selector_all(
+        selector, "divs => divs.map(d => d.querySelectorAll('.main-svg g.trace, .main-svg g.hm').length)")
+
+
+def test_report_pages_draw_every_figure_offline(browser, cpu_small_run, not_ready_run, artifact,
+                                                tmp_path):
+    _, _, folder = cpu_small_run
+    compare = write_compare(folder, not_ready_run[2], tmp_path / "compare.html")
+    pages = [(folder / "report.html", "report.png", ".kit-figure",
+              len(list(folder.glob("figures/*.json")))),
+             (not_ready_run[2] / "report.html", "report-failed.png", ".kit-figure", 1),
+             (compare, "compare.png", ".kit-figure", len(list(folder.glob("figures/*.json"))) + 1),
+             (folder / "02_kv_cache.html", "notebook-02.png", ".plotly-graph-div", 2)]
+    for path, shot, selector, expected in pages:
+        w = open_offline(browser, path, artifact, shot)
+        try:
+            drawn = figures_drawn(w.page, selector)
+            assert len(drawn) == expected and all(drawn), (path.name, drawn)
+            assert not w.errors, (path.name, w.errors)
+            assert not w.refused, (path.name, w.refused)
+        finally:
+            w.close()
