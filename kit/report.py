@@ -108,7 +108,9 @@ def fmt(name: str, value) -> str:
         if name.endswith(("_bytes", "memory")) and abs(value) >= 1024:
             return f"{value:,} ({fmt_bytes(value)})"
         if name.endswith(("_seconds", "_s")):
-            return f"{value * 1e3:.3g} ms" if abs(value) < 1 else f"{value:,.3g} s"
+            if abs(value) < 1:
+                return f"{value * 1e3:.3g} ms"
+            return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
         return f"{value:,}" if isinstance(value, int) else f"{value:,.6g}"
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= 160 else text[:157] + "…"
@@ -376,7 +378,7 @@ def render_compare(folder_a, folder_b) -> str:
             checks = nb["recorded"].get("checks", [])
             status[nb["notebook"]][side] = (
                 f'<span class="{"ok" if nb["ok"] else "fail"}">{"ok" if nb["ok"] else "FAILED"}'
-                f'</span> {sum(c["ok"] for c in checks)}/{len(checks)} checks, {nb["seconds"]:.1f} s')
+                f'</span> {sum(c["ok"] for c in checks)}/{len(checks)} checks, {nb.get("seconds", 0):.1f} s')
     rows = numeric_rows(a, b)
     ratios = [ratio(va, vb) for _, _, va, vb in rows]
     body = [f"<h1>{esc(name_a)} vs {esc(name_b)}</h1>",

@@ -131,6 +131,24 @@ def blocks(numbers: str) -> int:
     return int(re.match(r"\s*([\d,]+) blocks", numbers).group(1).replace(",", ""))
 
 
+def drag(page, handle, dx: float):
+    """Drag a slider's handle dx pixels, as a person would with the mouse. JupyterLab may still
+    scroll the notebook after a run, so press only once the pointer is really on the handle."""
+    for _ in range(40):
+        handle.scroll_into_view_if_needed()
+        box = handle.bounding_box()
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(x, y)
+        if handle.evaluate("(h, [x, y]) => h.contains(document.elementFromPoint(x, y))", [x, y]):
+            break
+        page.wait_for_timeout(250)
+    else:
+        pytest.fail("the slider's handle never stayed under the pointer")
+    page.mouse.down()
+    page.mouse.move(x + dx, y)  # one step: one new value, so one update of the calculator
+    page.mouse.up()
+
+
 def test_calculator_in_jupyterlab(browser, lab, artifact):
     """Run chapter 02 in JupyterLab, move the calculator's controls: numbers and figure follow."""
     failure_shot = artifact("jupyterlab-02-failure.png")
@@ -165,13 +183,7 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
 
         # drag gpu_memory_utilization to the left: less memory for the cache
         slider = calculator.locator(".widget-slider").filter(has_text="gpu_memory_utilization")
-        handle = slider.locator(".noUi-handle")
-        handle.scroll_into_view_if_needed()
-        box = handle.bounding_box()
-        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-        page.mouse.down()
-        page.mouse.move(box["x"] - 60, box["y"] + box["height"] / 2, steps=8)
-        page.mouse.up()
+        drag(page, slider.locator(".noUi-handle"), -60)
         page.wait_for_function("([el, before]) => el.innerText !== before",
                                arg=[numbers.element_handle(), start], timeout=30_000)
         moved = numbers.inner_text()
