@@ -26,9 +26,11 @@ if [ -z "${KIT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null && ! command -
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
     if command -v apt-get >/dev/null && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
         echo "setup.sh: installing Debian's chromium for the browser tests ..."
-        { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
-            --no-install-recommends chromium fonts-dejavu-core >/dev/null; } ||
+        if ! log=$( { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get \
+                install -y -qq --no-install-recommends chromium fonts-dejavu-core; } 2>&1 ); then
+            echo "$log" | tail -n 5 >&2
             echo "setup.sh: could not install chromium; the browser tests will fail until it is" >&2
+        fi
     else
         echo "setup.sh: no Chromium found: the notebooks work without it, but the browser tests need" \
              "it (apt-get install chromium, or set KIT_CHROMIUM=/path/to/chromium)." >&2

@@ -1,7 +1,8 @@
 """The kit: helpers behind the notebooks of a study kit on LLM serving memory and decode speed.
 
 Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`).
-Every chapter takes one `Settings` from `kit.config.load` and records through `kit.results`.
+Every chapter takes one `Settings` from `kit.config.load` and records through `kit.results`;
+`kit.runner` runs them headless and `kit.report` turns a run folder into an HTML page.
 """
 from kit.config import ConfigError, Settings, load
 
