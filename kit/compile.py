@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import types
+import weakref
 
 import torch
 
@@ -129,16 +130,38 @@ class Compiled(Runner):
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
+        self._capture = None
         options = {"guard_filter_fn": self.guard_filter_fn} if self.guard_filter_fn else None
         self.compiled = torch.compile(self.fn, backend=self._backend, fullgraph=True,
                                       options=options)
         self.first = True  # the next call is a first compilation: mark the dynamic dims
 
     def _backend(self, gm, example_inputs):
+        """Inductor, as backend="inductor" runs it, keeping each compiled graph so that it can
+        also be called directly, without Dynamo in front (see `direct_call`)."""
         from torch._inductor.compile_fx import compile_fx
         graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
-        return graph
+
+        def call(*args):  # Dynamo's transformed code calls the graph with flat inputs
+            if self._capture is not None:  # one call's inputs, kept for `direct_call`
+                self._capture.append((graph, args))
+            return graph(*args)
+        return call
+
+    def direct_call(self, *args):
+        """A zero-argument callable running the compiled graph that serves `args` directly,
+        with the inputs Dynamo hands it (the arguments, flattened with the parameters and the
+        symbolic sizes): the same work as `self(*args)` minus Dynamo's per-call cost."""
+        self._capture = []
+        try:
+            self(*args)
+        finally:
+            captured, self._capture = self._capture, None
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one compiled graph per call, saw {len(captured)}")
+        graph, inputs = captured[0]
+        return lambda: graph(*inputs)
 
     @property
     def graphs_compiled(self) -> int:
@@ -183,7 +206,13 @@ class BytecodeHook(Compiled):
                 f"which torch {torch.__version__} lacks; use guard_free")
         super().__init__(fn, device, dynamic_dims)
         self.dispatch = None
-        self._handle = hook(self._on_bytecode)
+        me = weakref.ref(self)  # the hook registry is global: it must not keep runners alive
+
+        def on_bytecode(old_code, new_code):
+            runner = me()
+            if runner is not None:
+                runner._on_bytecode(old_code, new_code)
+        weakref.finalize(self, hook(on_bytecode).remove)
 
     def _on_bytecode(self, old_code, new_code):
         if old_code is self.code:  # our copy alone: other runners' code is not ours
@@ -202,11 +231,6 @@ class BytecodeHook(Compiled):
     def discard(self) -> None:
         super().discard()
         self.dispatch = None
-
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.remove()
 
 
 class CUDAGraphs(Runner):
