@@ -28,7 +28,7 @@ from kit.compile import make_runner
 from kit.config import DEFAULT_PRESET, ConfigError, Settings, load
 from kit.device import Timings, capacity_bytes, synchronize, time_fn
 from kit.kv_cache import KVCacheSpec, size_kv_cache
-from kit.memory import check_fits, profile_batch, profile_run
+from kit.memory import _cuda_usage, check_fits, profile_batch, profile_run
 from kit.model import build_model, weights_bytes
 
 
@@ -78,18 +78,20 @@ def get_plans(names=None) -> list[Plan]:
     return [p for p in PLANS if p.name in names]
 
 
-def decode_batch_sizes(max_num_seqs: int, num_requests: int = 24, seed: int = 0,
-                       min_tokens: int = 3, max_tokens: int = 12) -> list[int]:
-    """Decode batch sizes of a plausible serving trace, one per step: requests arrive (one on
-    average per step), wait for a free slot (at most max_num_seqs decode together), generate
-    a random number of tokens and leave. It starts with one request and drains to the last
-    one, so it visits small batches and, under load, the full one."""
+def decode_batch_sizes(max_num_seqs: int, num_requests: int | None = None, seed: int = 0,
+                       min_tokens: int = 4, max_tokens: int = 16) -> list[int]:
+    """Decode batch sizes of a plausible serving trace, one per step: requests arrive (half as
+    fast again as full batches would retire them), wait for a free slot (at most max_num_seqs decode together), generate a
+    random number of tokens and leave. It starts with one request, fills every slot (arrivals
+    outpace departures), and drains to the last request, so it visits batch 1, the full batch
+    and sizes between. `num_requests` defaults to 3 × max_num_seqs."""
     rng = random.Random(seed)
-    waiting, running, sizes = 1, [], []
-    arrived = 1
+    num_requests = num_requests or 3 * max_num_seqs
+    rate = 1.5 * max_num_seqs / ((min_tokens + max_tokens) / 2)  # arrivals per step
+    waiting, arrived, running, sizes = 1, 1, [], []
     while waiting or running or arrived < num_requests:
         if arrived < num_requests and sizes:
-            new = min(num_requests - arrived, rng.choice((0, 1, 1, 2)))
+            new = min(num_requests - arrived, rng.randint(0, max(1, round(2 * rate))))
             waiting, arrived = waiting + new, arrived + new
         admit = min(waiting, max_num_seqs - len(running))
         running += [rng.randint(min_tokens, max_tokens) for _ in range(admit)]
@@ -140,6 +142,7 @@ class StrategyResult:
     profile_compile_seconds: float | None = None
     compile_seconds: float | None = None  # the first serving call
     peak_activation_bytes: int | None = None
+    non_torch_bytes: int | None = None  # measured on CUDA only
     kv_cache_bytes: int | None = None
     num_blocks: int | None = None
     cache_entries: int | None = None
@@ -220,7 +223,8 @@ class Comparison:
                 "profiles with": r.profile_with + (", discarded" if r.discard else ""),
                 "compile s (profile / serve)": f"{r.profile_compile_seconds or 0:.1f} / "
                                                f"{r.compile_seconds:.1f}",
-                "cache entries": r.cache_entries, "guards": r.guards_total,
+                "cache entries": r.cache_entries,
+                "guards": "" if r.guards_total is None else r.guards_total,
                 "graphs": r.graphs_compiled, "recompiles": r.recompiles,
                 "µs/forward": us(r.forward_seconds), "µs direct": us(r.direct_seconds),
                 "Dynamo µs/call": us(r.dynamo_overhead_seconds),
@@ -247,6 +251,8 @@ class _Bench:
 
     def __init__(self, settings: Settings, step_sizes: list[int]):
         self.settings, self.device = settings, settings.device
+        # CUDA memory before the model exists, so profiles can tell non-torch memory apart
+        self.before = _cuda_usage() if self.device == "cuda" else None
         self.model = build_model(settings.arch, settings.dtype, self.device, settings.seed)
         self.weights = weights_bytes(self.model)
         self.spec = KVCacheSpec.from_settings(settings)
@@ -265,16 +271,17 @@ def _profile(bench: _Bench, plan: Plan, res: StrategyResult):
     """The profiling run of `plan`; returns the runner that ran it when serving reuses it."""
     s = bench.settings
     if plan.profile_with == "eager":
-        prof = profile_run(bench.model, s, "eager", bench.weights)
+        prof = profile_run(bench.model, s, "eager", bench.weights, bench.before)
         runner = None
     else:
         runner = make_runner(bench.model.forward, plan.profile_with, bench.device,
                              (profile_batch(s),))
         res.profile_compile_seconds = runner.compile_seconds
-        prof = profile_run(bench.model, s, plan.name, bench.weights, step=runner)
+        prof = profile_run(bench.model, s, plan.name, bench.weights, bench.before, step=runner)
         if plan.discard:
             runner.discard()
     res.peak_activation_bytes = prof.peak_activation_bytes
+    res.non_torch_bytes = prof.non_torch_bytes
     res.kv_cache_bytes = prof.kv_cache_bytes
     res.num_blocks = size_kv_cache(bench.spec, prof.kv_cache_bytes, s.max_model_len).num_blocks
     return runner if plan.profile_with == plan.serve else None
@@ -344,6 +351,11 @@ def _time_all(bench: _Bench, results: dict, runners: dict, rounds: int, calls: i
             res.cache_lookup_seconds = cache_lookup_seconds(fns[name], bench.device)
 
 
+def _enter_fail_on_recompile():
+    with torch.compiler.set_stance("fail_on_recompile"):
+        pass
+
+
 class TinyMLP(torch.nn.Module):
     """Two linear layers: a model so small that Dynamo's per-call cost is a large share."""
 
@@ -357,8 +369,9 @@ class TinyMLP(torch.nn.Module):
 
 def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 20) -> dict:
     """Per-call seconds of a tiny MLP run eagerly, compiled stock, guard-free, by bytecode
-    hook, and its compiled graph called directly (the issue's own measurement: 28 µs eager,
-    37 µs stock, 32 µs guard-free on a CPU): {name: {"seconds": median, "best_seconds": min}}."""
+    hook, its compiled graph called directly, and the `set_stance` context guard_free enters on
+    every call (the issue's own measurement: 28 µs eager, 37 µs stock, 32 µs guard-free on a
+    CPU): {name: {"seconds": median, "best_seconds": min}}."""
     torch.manual_seed(0)
     mlp = TinyMLP().to(device).eval()
     x = torch.randn(batch, 256, device=device)
@@ -367,6 +380,7 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
                    for name in ("eager", "stock", "guard_free", "bytecode_hook")}
         fns = {name: (lambda r=r: r(x)) for name, r in runners.items()}
         fns["graph called directly"] = runners["guard_free"].direct_call(x)
+        fns["set_stance context alone"] = _enter_fail_on_recompile  # part of guard_free's cost
         timings = interleaved_timings(fns, device, rounds, calls)
     for runner in runners.values():
         runner.discard()
