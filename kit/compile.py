@@ -61,9 +61,13 @@ def fresh_function(fn):
     return (types.MethodType(copy, owner) if owner is not None else copy), copy
 
 
+def as_dims(dims) -> tuple:
+    return (dims,) if isinstance(dims, int) else tuple(dims)
+
+
 def mark_dynamic(args: tuple, dynamic_dims: dict) -> None:
     for index, dims in dynamic_dims.items():
-        torch._dynamo.mark_dynamic(args[index], dims)
+        torch._dynamo.mark_dynamic(args[index], list(as_dims(dims)))
 
 
 def drop_all_guards(entries):
@@ -233,9 +237,18 @@ class BytecodeHook(Compiled):
         self.dispatch = None
 
 
+def capture_sizes_up_to(largest: int) -> list[int]:
+    """vLLM's decode batch sizes to capture, up to and including `largest`."""
+    return [s for s in DEFAULT_CAPTURE_SIZES if s < largest] + [largest]
+
+
 class CUDAGraphs(Runner):
-    """One CUDA graph per decode batch size over the guard-free compiled step; a call is
-    padded to the next captured size. Larger batches run the compiled step without a graph."""
+    """One CUDA graph per decode batch size over the guard-free compiled step. The arguments
+    named in `dynamic_dims` are batched along dimension 0: a call copies them into static
+    buffers padded (with zeros) to the next captured size and replays that size's graph. The
+    other arguments (a KV cache, say) are captured as they are and must be the same tensors on
+    every call. Batches beyond the largest size run the compiled step without a graph.
+    Outputs are views of the graph's buffers: use them before the next call, as vLLM does."""
 
     strategy = "cuda_graphs"
 
@@ -243,34 +256,41 @@ class CUDAGraphs(Runner):
         if device != "cuda":
             raise ConfigError(f"cuda_graphs needs a CUDA device (device={device!r}); "
                               f"on this machine use one of {list(SERVING_STRATEGIES[:-1])}")
+        if any(as_dims(d) != (0,) for d in dynamic_dims.values()):
+            raise ConfigError("cuda_graphs pads the batch along dimension 0 only: give "
+                              "dynamic_dims as {argument index: 0}")
         super().__init__(fn, device)
         self.inner = GuardFree(fn, device, dynamic_dims)
         self.code = self.inner.code
+        self.batched = sorted(dynamic_dims)
         self.capture_sizes = sorted(capture_sizes)
-        self.graphs, self.static_in, self.static_out = {}, None, {}
-        self.pool = None
+        self.graphs, self.static_out, self.pool = {}, {}, None
+        self.static_args = None
 
     @property
     def graphs_compiled(self) -> int:
         return self.inner.graphs_compiled
 
+    def _args_for(self, size: int) -> tuple:
+        return tuple(a[:size] if i in self.batched else a for i, a in enumerate(self.static_args))
+
     def warm(self, example_args: tuple) -> "Runner":
         t0 = time.perf_counter()
-        (ids,) = example_args
-        self.inner(ids)  # compile once, batch dimension dynamic
+        self.inner(*example_args)  # compile once, batch dimension dynamic
         largest = self.capture_sizes[-1]
-        self.static_in = torch.zeros((largest,) + tuple(ids.shape[1:]), dtype=ids.dtype,
-                                     device=ids.device)
+        self.static_args = tuple(
+            a.new_zeros((largest,) + tuple(a.shape[1:])) if i in self.batched else a
+            for i, a in enumerate(example_args))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in self.capture_sizes:  # warm each size outside capture (autotuning)
-                self.inner(self.static_in[:size])
+            for size in self.capture_sizes:  # each size once outside capture (Triton's JIT)
+                self.inner(*self._args_for(size))
         torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.capture_sizes):  # largest first, so smaller ones share its pool
+        for size in reversed(self.capture_sizes):  # largest first; the others share its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.static_out[size] = self.inner(self.static_in[:size])
+                self.static_out[size] = self.inner(*self._args_for(size))
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -280,18 +300,23 @@ class CUDAGraphs(Runner):
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.capture_sizes if s >= batch), None)
 
-    def __call__(self, ids):
-        if ids.shape[1:] != self.static_in.shape[1:]:
-            raise ConfigError(f"cuda_graphs captured inputs of shape [batch, "
-                              f"{list(self.static_in.shape[1:])}], got {list(ids.shape)}")
-        batch = ids.shape[0]
+    def __call__(self, *args):
+        batch = args[self.batched[0]].shape[0]
         size = self.size_for(batch)
         if size is None:
-            return self.inner(ids)
-        self.static_in[:batch].copy_(ids)
-        self.static_in[batch:size].zero_()  # padding rows: any valid token id
+            return self.inner(*args)
+        for i, (arg, static) in enumerate(zip(args, self.static_args)):
+            if i in self.batched:
+                if arg.shape[1:] != static.shape[1:]:
+                    raise ConfigError(f"cuda_graphs captured argument {i} as [batch, "
+                                      f"{list(static.shape[1:])}], got {list(arg.shape)}")
+                static[:batch].copy_(arg)
+                static[batch:size].zero_()  # padding rows: token 0, position 0, block 0
+            elif arg is not static:
+                raise ConfigError(f"cuda_graphs: argument {i} must be the tensor captured")
         self.graphs[size].replay()
-        return self.static_out[size][:batch]
+        out = self.static_out[size]
+        return out[:batch] if torch.is_tensor(out) else type(out)(o[:batch] for o in out)
 
     def discard(self) -> None:
         self.graphs, self.static_out, self.pool = {}, {}, None
@@ -316,7 +341,6 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     elif strategy == "bytecode_hook":
         runner = BytecodeHook(fn, device, dims)
     else:
-        batch = example_args[0].shape[0]
-        sizes = capture_sizes or [s for s in DEFAULT_CAPTURE_SIZES if s < batch] + [batch]
-        runner = CUDAGraphs(fn, device, dims, sizes)
+        batch = example_args[min(dims)].shape[0]
+        runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch))
     return runner.warm(tuple(example_args))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kit.compile import make_runner
+from kit.compile import capture_sizes_up_to, make_runner
 from kit.config import DEFAULT_PRESET, ConfigError, Settings, load
 from kit.device import Timings, capacity_bytes, synchronize, time_fn
 from kit.kv_cache import KVCacheSpec, size_kv_cache
@@ -291,7 +291,8 @@ def _serve(bench: _Bench, plan: Plan, res: StrategyResult, runner, step_sizes: l
     """Warm the serving runner at decode shape, run the step sequence, compare with eager."""
     args = bench.decode_args(bench.settings.batch_size)
     if runner is None:
-        runner = make_runner(bench.model.forward, plan.serve, bench.device, args)
+        runner = make_runner(bench.model.forward, plan.serve, bench.device, args,
+                             capture_sizes=capture_sizes_up_to(bench.settings.max_num_seqs))
     else:
         runner.warm(args)
     res.compile_seconds = runner.compile_seconds
