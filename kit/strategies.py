@@ -103,14 +103,27 @@ def decode_batch_sizes(max_num_seqs: int, num_requests: int | None = None, seed:
 
 
 def interleaved_timings(fns: dict, device: str, rounds: int, calls: int) -> dict[str, list]:
-    """Per-call seconds of each function, measured in alternating order round after round, so
-    a noisy neighbour slows every function alike: {name: [median per-call seconds per round]}."""
+    """Each function timed `calls` times per round, in alternating order round after round, so
+    a busy neighbour slows every function alike: {name: [Timings of each round]}."""
     out = {name: [] for name in fns}
     items = list(fns.items())
     for r in range(rounds):
         for name, fn in (items if r % 2 == 0 else items[::-1]):
-            out[name].append(time_fn(fn, device, repeats=calls, warmup=1).median)
+            out[name].append(time_fn(fn, device, repeats=calls, warmup=1))
     return out
+
+
+def paired_difference(through: list, direct: list) -> float:
+    """Median over rounds of (quickest call through - quickest direct call) in the same round.
+    Noise only ever adds time, so each round's quickest call is its best estimate of the true
+    cost, and pairing the rounds cancels what the machine did in between."""
+    return statistics.median(min(a.seconds) - min(b.seconds) for a, b in zip(through, direct))
+
+
+def per_round_best(rounds: list) -> Timings:
+    """Each round's quickest call: on a shared machine the best estimate a round gives (the
+    median over rounds then keeps one lucky round from deciding)."""
+    return Timings([min(r.seconds) for r in rounds])
 
 
 def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
@@ -150,12 +163,13 @@ class StrategyResult:
     graphs_compiled: int | None = None  # by the serving runner, profiling included when shared
     recompiles: int | None = None  # during the decode step sequence
     recompile_error: str | None = None
-    forward_seconds: float | None = None  # one forward at decode shape, median
-    forward_spread: float | None = None  # p90 - p10 over rounds
-    forward_best_seconds: float | None = None  # the quickest round: the quiet-machine estimate
+    # per-call times: the median over rounds of each round's quickest call (per_round_best)
+    forward_seconds: float | None = None  # one forward at decode shape
+    forward_spread: float | None = None  # p90 - p10 of those over rounds
+    forward_best_seconds: float | None = None  # the quickest call of all
     direct_seconds: float | None = None  # the same compiled graph called directly
     direct_best_seconds: float | None = None
-    dynamo_overhead_seconds: float | None = None  # median of per-round (through - direct)
+    dynamo_overhead_seconds: float | None = None  # paired_difference(through, direct)
     dynamo_overhead_best_seconds: float | None = None  # quickest through - quickest direct
     cache_lookup_seconds: float | None = None
     max_abs_diff: float | None = None
@@ -341,14 +355,15 @@ def _time_all(bench: _Bench, results: dict, runners: dict, rounds: int, calls: i
     timings = interleaved_timings({**fns, **{f"{n} direct": f for n, f in direct.items()}},
                                   bench.device, rounds, calls)
     for name in runners:
-        res, t = results[name], Timings(timings[name])
+        res, t = results[name], per_round_best(timings[name])
         res.forward_seconds, res.forward_spread = t.median, t.spread
         res.forward_best_seconds = min(t.seconds)
         if name in direct:
-            d = timings[f"{name} direct"]
-            res.direct_seconds, res.direct_best_seconds = statistics.median(d), min(d)
-            res.dynamo_overhead_seconds = statistics.median(a - b for a, b in zip(t.seconds, d))
-            res.dynamo_overhead_best_seconds = min(t.seconds) - min(d)
+            d = per_round_best(timings[f"{name} direct"])
+            res.direct_seconds, res.direct_best_seconds = d.median, min(d.seconds)
+            res.dynamo_overhead_seconds = paired_difference(timings[name],
+                                                            timings[f"{name} direct"])
+            res.dynamo_overhead_best_seconds = min(t.seconds) - min(d.seconds)
             res.cache_lookup_seconds = cache_lookup_seconds(fns[name], bench.device)
 
 
@@ -372,7 +387,7 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
     """Per-call seconds of a tiny MLP run eagerly, compiled stock, guard-free, by bytecode
     hook, its compiled graph called directly, and the `set_stance` context guard_free enters on
     every call (the issue's own measurement: 28 µs eager, 37 µs stock, 32 µs guard-free on a
-    CPU): {name: {"seconds": median, "best_seconds": min}}."""
+    CPU): {name: {"seconds", "best_seconds", "over_direct_seconds"}} (see _time_all)."""
     torch.manual_seed(0)
     mlp = TinyMLP().to(device).eval()
     x = torch.randn(batch, 256, device=device)
@@ -385,7 +400,9 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
         timings = interleaved_timings(fns, device, rounds, calls)
     for runner in runners.values():
         runner.discard()
-    return {name: {"seconds": statistics.median(t), "best_seconds": min(t)}
+    direct = timings["graph called directly"]
+    return {name: {"seconds": per_round_best(t).median, "best_seconds": min(per_round_best(t).seconds),
+                   "over_direct_seconds": paired_difference(t, direct)}
             for name, t in timings.items()}
 
 
