@@ -245,7 +245,8 @@ class Comparison:
                 "cache lookup µs (profiler)": us(r.cache_lookup_seconds),
                 "peak activations MiB": f"{r.peak_activation_bytes / 2**20:,.2f}",
                 "KV blocks": f"{r.num_blocks:,}",
-                "max |diff| / max |eager|": f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
+                "max |diff| / max |eager|": "n/a (trace failed)" if r.max_rel_diff is None
+                else f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
                 "note": r.recompile_error or ""})
         return out
 
@@ -318,11 +319,11 @@ def _serve(bench: _Bench, plan: Plan, res: StrategyResult, runner, step_sizes: l
             ref = bench.reference[b].float()
             worst = max(worst, (out - ref).abs().max().item())
             scale = max(scale, ref.abs().max().item())
+        res.max_abs_diff, res.max_rel_diff = worst, worst / scale if scale else 0.0
     except Exception as e:  # guard_free's fail_on_recompile lands here: that is the result
         res.recompile_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     res.graphs_compiled = runner.graphs_compiled
     res.recompiles = runner.graphs_compiled - before
-    res.max_abs_diff, res.max_rel_diff = worst, worst / scale if scale else 0.0
     res.tolerance = TOLERANCE[bench.settings.dtype]
     res.cache_entries = len(runner.cache_entries())
     res.guards = runner.guards()
