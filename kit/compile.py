@@ -40,6 +40,11 @@ DEFAULT_DYNAMIC_DIMS = {0: (0,)}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512)
 
 
+def available_strategies(device: str) -> tuple[str, ...]:
+    """The serving strategies that can run on `device` (CUDA graphs need a GPU)."""
+    return tuple(s for s in SERVING_STRATEGIES if s != "cuda_graphs" or device == "cuda")
+
+
 def check_strategy(strategy: str, known=SERVING_STRATEGIES) -> None:
     if strategy not in known:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {list(known)}")
@@ -211,7 +216,13 @@ class BytecodeHook(Compiled):
 
 class CUDAGraphs(Runner):
     """One CUDA graph per decode batch size over the guard-free compiled step; a call is
-    padded to the next captured size. Larger batches run the compiled step without a graph."""
+    padded to the next captured size. Larger batches run the compiled step without a graph.
+
+    Arguments with a dynamic batch dimension (dimension 0 in `dynamic_dims`) are copied into
+    static buffers before each replay; every other tensor argument (a KV cache, or a decode
+    step's persistent input buffers) is captured where it lies, and later calls must pass that
+    same tensor. Padding rows run too: a step that writes state (a KV cache) should be captured
+    at exactly the sizes it is called with."""
 
     strategy = "cuda_graphs"
 
@@ -222,31 +233,37 @@ class CUDAGraphs(Runner):
         super().__init__(fn, device)
         self.inner = GuardFree(fn, device, dynamic_dims)
         self.code = self.inner.code
+        self.batch_args = sorted(i for i, dims in dynamic_dims.items() if 0 in dims)
         self.capture_sizes = sorted(capture_sizes)
-        self.graphs, self.static_in, self.static_out = {}, None, {}
+        self.graphs, self.static_args, self.static_out = {}, None, {}
         self.pool = None
 
     @property
     def graphs_compiled(self) -> int:
         return self.inner.graphs_compiled
 
+    def _args_at(self, size: int) -> list:
+        return [a[:size] if i in self.batch_args else a for i, a in enumerate(self.static_args)]
+
     def warm(self, example_args: tuple) -> "Runner":
         t0 = time.perf_counter()
-        (ids,) = example_args
-        self.inner(ids)  # compile once, batch dimension dynamic
+        self.inner(*example_args)  # compile once, batch dimension dynamic
         largest = self.capture_sizes[-1]
-        self.static_in = torch.zeros((largest,) + tuple(ids.shape[1:]), dtype=ids.dtype,
-                                     device=ids.device)
+        self.static_args = list(example_args)
+        for i in self.batch_args:
+            a = example_args[i]
+            self.static_args[i] = torch.zeros((largest,) + tuple(a.shape[1:]), dtype=a.dtype,
+                                              device=a.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in self.capture_sizes:  # warm each size outside capture (autotuning)
-                self.inner(self.static_in[:size])
+                self.inner(*self._args_at(size))
         torch.cuda.current_stream().wait_stream(stream)
         for size in reversed(self.capture_sizes):  # largest first, so smaller ones share its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.static_out[size] = self.inner(self.static_in[:size])
+                self.static_out[size] = self.inner(*self._args_at(size))
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -256,16 +273,25 @@ class CUDAGraphs(Runner):
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.capture_sizes if s >= batch), None)
 
-    def __call__(self, ids):
-        if ids.shape[1:] != self.static_in.shape[1:]:
-            raise ConfigError(f"cuda_graphs captured inputs of shape [batch, "
-                              f"{list(self.static_in.shape[1:])}], got {list(ids.shape)}")
-        batch = ids.shape[0]
+    def _check(self, args) -> None:
+        for i, (a, static) in enumerate(zip(args, self.static_args)):
+            if i in self.batch_args and a.shape[1:] != static.shape[1:]:
+                raise ConfigError(f"cuda_graphs captured argument {i} of shape [batch, "
+                                  f"{list(static.shape[1:])}], got {list(a.shape)}")
+            if i not in self.batch_args and isinstance(a, torch.Tensor) and \
+                    a.data_ptr() != static.data_ptr():
+                raise ConfigError(f"cuda_graphs captured argument {i} in place: pass the same "
+                                  "tensor on every call")
+
+    def __call__(self, *args):
+        self._check(args)
+        batch = args[self.batch_args[0]].shape[0] if self.batch_args else self.capture_sizes[-1]
         size = self.size_for(batch)
         if size is None:
-            return self.inner(ids)
-        self.static_in[:batch].copy_(ids)
-        self.static_in[batch:size].zero_()  # padding rows: any valid token id
+            return self.inner(*args)
+        for i in self.batch_args:
+            self.static_args[i][:batch].copy_(args[i])
+            self.static_args[i][batch:size].zero_()  # padding rows: any valid token id
         self.graphs[size].replay()
         return self.static_out[size][:batch]
 

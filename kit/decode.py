@@ -14,9 +14,8 @@ without any cache, and every strategy's logits must equal them within a toleranc
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -76,24 +75,34 @@ def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: 
 class PagedBatch:
     """The decode state of one batch: its blocks, and the tensors the step reads each time.
 
-    `input_ids`, `positions` and `block_tables` live on the device and are updated in place, so
-    a compiled graph or a CUDA graph captured on them stays valid for the whole run.
+    `input_ids`, `positions` and `block_tables` live on the device and are updated in place
+    (as vLLM's persistent input buffers are), so a compiled graph or a CUDA graph captured on
+    them stays valid for every step, and for every run after `start` resets them.
     """
 
     def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int):
         self.kv_cache, self.lengths = kv_cache, list(lengths)
         self.block_size = kv_cache.shape[3]
-        self.allocator = BlockAllocator(kv_cache.shape[2], self.block_size)
         device = kv_cache.device
-        # Padding entries point at block 0: any real block will do, the mask hides them.
         self.block_tables = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
-        self.positions = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.positions = torch.zeros(len(lengths), dtype=torch.long, device=device)
         self.input_ids = torch.zeros(len(lengths), dtype=torch.long, device=device)
+        self.allocator = None
 
     def step_args(self) -> tuple:
         return (self.input_ids, self.positions, self.block_tables, self.kv_cache)
 
     @torch.no_grad()
+    def start(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """A fresh run: every block free, the prompts prefilled into the cache, each one's first
+        new token (greedy) ready as the next input. Returns the prefill's logits."""
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], self.block_size)
+        self.block_tables.zero_()  # padding entries: block 0 will do, the mask hides them
+        self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
+        logits = self.prefill(model, prompts)
+        self.input_ids.copy_(logits.argmax(-1))
+        return logits
+
     def prefill(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
         """Write every prompt's keys and values to the cache; return the logits of each
         prompt's last token [num_seqs, vocab]. Prompts of equal length go in one forward."""
@@ -103,9 +112,8 @@ class PagedBatch:
             seqs = [i for i, n in enumerate(self.lengths) if n == length]
             slots = []
             for i in seqs:
-                self.allocator.allocate(i, length)
-                table = self.allocator.tables[i]
-                self.block_tables[i, :len(table)] = torch.tensor(table, device=device)
+                table = self.allocator.allocate(i, length)
+                self.block_tables[i, :len(table)] = torch.tensor(table)
                 slots += [self.allocator.slot(i, p) for p in range(length)]
             meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=device))
             ids = torch.stack([prompts[i] for i in seqs]).to(device)
@@ -119,13 +127,17 @@ class PagedBatch:
         for i in range(len(self.lengths)):
             block = self.allocator.append_token(i)
             if block is not None:
-                column = (self.allocator.lengths[i] - 1) // self.block_size
-                self.block_tables[i, column] = block
+                self.block_tables[i, (self.allocator.lengths[i] - 1) // self.block_size] = block
 
-    def advance(self, next_ids: torch.Tensor) -> None:
-        """Feed the sampled tokens to the next step, in place."""
-        self.input_ids.copy_(next_ids)
+    @torch.no_grad()
+    def step(self, step) -> torch.Tensor:
+        """One decode step through `step` (the step function, or a strategy's runner of it):
+        bookkeeping, the step, greedy sampling fed back in place. Returns the logits."""
+        self.make_room()
+        logits = step(*self.step_args())
+        self.input_ids.copy_(logits.argmax(-1))
         self.positions.add_(1)
+        return logits
 
 
 def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache) -> torch.Tensor:
@@ -177,7 +189,7 @@ class Generation:
 
     prompt_lens: list[int]
     tokens: torch.Tensor          # [num_seqs, steps + 1]: the prefill's token, then each step's
-    logits: torch.Tensor | None   # [steps + 1, num_seqs, vocab] when kept
+    logits: torch.Tensor | None   # [steps + 1, num_seqs, vocab] (model dtype, CPU) when kept
     prefill_seconds: float
     step_seconds: list[float]
 
@@ -188,66 +200,59 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: Decoder, kv_cache: torch.Tensor, prompts: list[torch.Tensor], steps: int,
+def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
              step=None, keep_logits: bool = True) -> Generation:
-    """Prefill `prompts` into `kv_cache`, then `steps` greedy decode steps through `step` (the
-    eager `decode_step` by default, or a strategy's runner of it). Each step's time covers its
-    bookkeeping (new blocks), the step, and sampling, as an engine's step does."""
-    device = str(kv_cache.device.type)
-    lengths = [len(p) for p in prompts]
-    batch = PagedBatch(kv_cache, lengths, table_width(lengths, steps, kv_cache.shape[3]))
+    """Prefill `prompts` into `batch`'s cache, then `steps` greedy decode steps through `step`
+    (the eager step function by default, or a strategy's runner of it), each one timed. A
+    step's time covers its bookkeeping (new blocks), the step and sampling, as an engine's does;
+    copying out its tokens and logits for the correctness check comes after the clock."""
+    device = batch.kv_cache.device.type
     step = step or step_function(model)
     synchronize(device)
     t0 = time.perf_counter()
-    first = batch.prefill(model, prompts)
-    batch.input_ids.copy_(first.argmax(-1))  # the first new token goes at position n: no advance
+    first = batch.start(model, prompts)
     synchronize(device)
     prefill_seconds = time.perf_counter() - t0
-    tokens, logits = [batch.input_ids.clone()], [first.clone()] if keep_logits else None
+    tokens, logits = [batch.input_ids.clone()], [first] if keep_logits else None
     clock = StepClock(device)
     clock.mark()
     for _ in range(steps):
-        batch.make_room()
-        out = step(*batch.step_args())
-        batch.advance(out.argmax(-1))
+        out = batch.step(step)
         clock.mark()
-        tokens.append(batch.input_ids.clone())  # after the mark: not part of the step
+        tokens.append(batch.input_ids.clone())
         if keep_logits:
-            logits.append(out.clone())  # a CUDA graph's output is overwritten by the next replay
-    return Generation(lengths, torch.stack(tokens, 1).cpu(),
-                      torch.stack(logits).float().cpu() if keep_logits else None,
+            logits.append(out.clone())  # a CUDA graph's output is overwritten by its next replay
+    return Generation(batch.lengths, torch.stack(tokens, 1).cpu(),
+                      torch.stack(logits).cpu() if keep_logits else None,
                       prefill_seconds, clock.intervals())
 
 
+def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int) -> PagedBatch:
+    """A batch whose block table is wide enough for `steps` decode steps."""
+    return PagedBatch(kv_cache, lengths, table_width(lengths, steps, kv_cache.shape[3]))
+
+
 @torch.no_grad()
-def reference_logits(model: Decoder, prompts: list[torch.Tensor], tokens: torch.Tensor,
-                     steps: int) -> torch.Tensor:
-    """The logits a run must have produced, recomputed without any cache: each sequence (its
-    prompt and the tokens fed back) in one causal forward over the whole sequence; causality
-    makes position n + t - 1 hold step t's logits. -> [steps + 1, num_seqs, vocab]."""
+def reference_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """The logits a run must have produced for one sequence, recomputed without any cache: its
+    prompt and the tokens fed back (`fed`, one per decode step) in one causal forward over the
+    whole sequence; by causality position n - 1 + t holds step t's logits (step 0: the
+    prefill). -> [len(fed) + 1, vocab], float32 on the CPU."""
     device = next(model.parameters()).device
-    out = []
-    for prompt, fed in zip(prompts, tokens[:, :steps]):
-        ids = torch.cat([prompt, fed]).to(device)[None]
-        hidden = model(ids)[0, len(prompt) - 1:]
-        out.append(model.compute_logits(hidden).float().cpu())
-    return torch.stack(out, 1)
-
-
-def logits_error(logits: torch.Tensor, reference: torch.Tensor) -> list[float]:
-    """Per step: max |logits - reference| / max |reference|."""
-    diff = (logits - reference).abs().flatten(1).amax(1)
-    return (diff / reference.abs().flatten(1).amax(1)).tolist()
+    ids = torch.cat([prompt, fed]).to(device)[None]
+    hidden = model(ids)[0, len(prompt) - 1:]
+    return model.compute_logits(hidden).float().cpu()
 
 
 @dataclass
 class Correctness:
-    """How far a paged run's logits are from the no-cache reference, step by step."""
+    """How far a paged run's logits are from the no-cache reference, step by step: the largest
+    |paged - reference| over the batch, relative to the reference logits' largest magnitude."""
 
     dtype: str
     tolerance: float
     errors: list[float]            # step 0 is the prefill, then each decode step
-    tokens_agree: bool             # does the reference pick the same greedy tokens?
+    token_agreement: float         # fraction of steps where both pick the same greedy token
 
     @property
     def max_error(self) -> float:
@@ -259,79 +264,23 @@ class Correctness:
 
     def summary(self) -> dict:
         return {"dtype": self.dtype, "tolerance": self.tolerance, "max_error": self.max_error,
-                "ok": self.ok, "tokens_agree": self.tokens_agree, "errors": self.errors}
+                "ok": self.ok, "token_agreement": self.token_agreement, "errors": self.errors}
 
 
 def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:
-    """Compare every step's logits of `run` with the no-cache reference."""
+    """Compare every step's logits of `run` with the no-cache reference, one sequence at a time
+    (so only one sequence's reference logits are held at once)."""
     steps = len(run.step_seconds)
-    ref = reference_logits(model, prompts, run.tokens, steps)
-    agree = bool((ref.argmax(-1) == run.logits.argmax(-1)).float().mean() > 0.9)
-    return Correctness(dtype, TOLERANCE[dtype], logits_error(run.logits, ref), agree)
-
-
-def quantile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-@dataclass
-class StrategyTiming:
-    """One strategy's decode run: warm-up (compilation included) apart from the timed steps."""
-
-    strategy: str
-    compile_seconds: float         # the first call of the step (compiles, or captures a graph)
-    warmup_seconds: float          # the whole warm-up run: its prefill, steps and compilation
-    prefill_seconds: float
-    step_seconds: list[float]
-    num_seqs: int
-    correctness: Correctness | None = None
-    floor_seconds: list[float] = field(default_factory=list)  # per step, set by the roofline
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.step_seconds)
-
-    @property
-    def p10(self) -> float:
-        return quantile(self.step_seconds, 0.1)
-
-    @property
-    def p90(self) -> float:
-        return quantile(self.step_seconds, 0.9)
-
-    @property
-    def spread(self) -> float:
-        return self.p90 - self.p10
-
-    @property
-    def end_to_end_seconds(self) -> float:
-        return self.prefill_seconds + sum(self.step_seconds)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens (the prefill's one and each step's) per second, end to end."""
-        return self.num_seqs * (len(self.step_seconds) + 1) / self.end_to_end_seconds
-
-    @property
-    def percent_of_floor(self) -> float | None:
-        """The bandwidth floor as % of the measured step time (median over the steps): 100%
-        means the step moves its bytes as fast as a plain copy does."""
-        if not self.floor_seconds:
-            return None
-        return 100 * statistics.median(f / s for f, s in zip(self.floor_seconds,
-                                                              self.step_seconds))
-
-    def summary(self) -> dict:
-        return {"strategy": self.strategy, "compile_seconds": self.compile_seconds,
-                "warmup_seconds": self.warmup_seconds, "prefill_seconds": self.prefill_seconds,
-                "median_step_seconds": self.median, "p10_step_seconds": self.p10,
-                "p90_step_seconds": self.p90, "spread_seconds": self.spread,
-                "end_to_end_seconds": self.end_to_end_seconds,
-                "tokens_per_second": self.tokens_per_second,
-                "percent_of_floor": self.percent_of_floor, "step_seconds": self.step_seconds,
-                "floor_seconds": self.floor_seconds,
-                "correctness": self.correctness.summary() if self.correctness else None}
+    diff = scale = torch.zeros(steps + 1)
+    same = 0
+    for i, prompt in enumerate(prompts):
+        ref = reference_logits(model, prompt, run.tokens[i, :steps])
+        got = run.logits[:, i].float()
+        diff = torch.maximum(diff, (got - ref).abs().amax(-1))
+        scale = torch.maximum(scale, ref.abs().amax(-1))
+        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+    return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(),
+                       same / ((steps + 1) * len(prompts)))
 
 
 def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:

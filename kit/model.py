@@ -74,12 +74,19 @@ class AttentionMetadata(NamedTuple):
     context_lens: torch.Tensor | None = None
 
 
-def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
-    kv_heads, head_dim = k.shape[1:]
-    layer_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    layer_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots.
+
+    One `index_put_` on the whole cache, indexed by (layer, K or V, block, offset): compiled,
+    that is an in-place scatter of just these rows. Written through a view instead (one
+    layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
+    block_size = kv_cache.shape[3]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    layer = torch.full_like(slot_mapping, layer_idx)
+    kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
+    kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
+                         torch.cat([offset, offset])), torch.cat([k, v]))
 
 
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
@@ -129,11 +136,10 @@ class Attention(nn.Module):
         keys and values are also written to the paged cache, and a decode step (one token per
         sequence, `meta.block_tables` given) reads its whole context back from there."""
         if meta is not None:
-            layer_cache = meta.kv_cache[self.layer_idx]
-            write_kv(layer_cache, k, v, meta.slot_mapping)
+            write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
             if meta.block_tables is not None:
-                return paged_decode_attention(q, layer_cache, meta.block_tables,
-                                              meta.context_lens)
+                return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
+                                              meta.block_tables, meta.context_lens)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
