@@ -134,6 +134,7 @@ class Compiled(Runner):
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
+        self.inductor_config = {}  # Inductor settings patched in while compiling (make_runner)
         options = {"guard_filter_fn": self.guard_filter_fn} if self.guard_filter_fn else None
         self.compiled = torch.compile(self.fn, backend=self._backend, fullgraph=True,
                                       options=options)
@@ -141,7 +142,8 @@ class Compiled(Runner):
 
     def _backend(self, gm, example_inputs):
         from torch._inductor.compile_fx import compile_fx
-        graph = compile_fx(gm, example_inputs)
+        with torch._inductor.config.patch(self.inductor_config):
+            graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
         return graph
 
@@ -301,12 +303,14 @@ class CUDAGraphs(Runner):
 
 
 def make_runner(fn, strategy: str, device: str, example_args: tuple,
-                dynamic_dims: dict | None = None, capture_sizes=None) -> Runner:
+                dynamic_dims: dict | None = None, capture_sizes=None,
+                inductor_config: dict | None = None) -> Runner:
     """`fn` run by `strategy` (one of SERVING_STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
     index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
-    to the example's batch size)."""
+    to the example's batch size). `inductor_config` patches Inductor's settings while it
+    compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on the CPU)."""
     check_strategy(strategy)
     dims = DEFAULT_DYNAMIC_DIMS if dynamic_dims is None else dynamic_dims
     if strategy == "eager":
@@ -321,4 +325,7 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
         batch = example_args[0].shape[0]
         sizes = capture_sizes or [s for s in DEFAULT_CAPTURE_SIZES if s < batch] + [batch]
         runner = CUDAGraphs(fn, device, dims, sizes)
+    compiled = getattr(runner, "inner", runner)
+    if inductor_config and isinstance(compiled, Compiled):
+        compiled.inductor_config = dict(inductor_config)
     return runner.warm(tuple(example_args))
