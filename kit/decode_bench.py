@@ -366,9 +366,11 @@ def vllm_cpu_reference(settings: Settings) -> dict | None:
 
 # --- the command ------------------------------------------------------------------------------
 
-def add_bench(bench_sub) -> None:
-    p = bench_sub.add_parser("decode", help="time decode steps per strategy against the "
-                             "bandwidth floor; writes JSON and prints a table")
+def add_cli(sub) -> None:
+    from kit.cli import bench_commands
+    p = bench_commands(sub).add_parser(
+        "decode", help="time decode steps per strategy against the bandwidth floor; writes "
+        "JSON and prints a table")
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                    help="override a setting, e.g. -p batch_size=8 -p strategies=eager,stock")
