@@ -96,6 +96,8 @@ def floor_percent(timings: dict) -> go.Figure:
     fig.add_hline(y=100, line_dash="dash", annotation_text="the floor")
     fig.update_layout(yaxis_title="% of the bandwidth floor (median step)",
                       title="How close each strategy gets to the memory-bandwidth limit")
+    return fig
+
 
 def strategy_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
                   fmt: str = "{:,.2f}") -> go.Figure:
