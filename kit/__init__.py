@@ -1,8 +1,10 @@
 """The kit: helpers behind the notebooks of a study kit on LLM serving memory and decode speed.
 
-Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`).
-Every chapter takes one `Settings` from `kit.config.load` and records through `kit.results`;
-`kit.runner` runs them headless and `kit.report` turns a run folder into an HTML page.
+Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`),
+02 KV cache (`kit.kv_cache`, `kit.block_table`, `kit.widgets`), 03 compile strategies
+(`kit.compile`, `kit.strategies`), 04 decode timing (`kit.decode`, `kit.decode_bench`,
+`kit.roofline`). Every chapter takes one `Settings` from `kit.config.load` and records through
+`kit.results`; `kit.runner` runs them headless and `kit.report` turns a run folder into HTML.
 """
 from kit.config import ConfigError, Settings, load
 

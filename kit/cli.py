@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kit import report, runner, strategies
+from kit import decode_bench, report, runner, strategies
 from kit.config import ConfigError
 
-COMMAND_MODULES = [runner, report, strategies]
+COMMAND_MODULES = [runner, report, strategies, decode_bench]
 
 
 def bench_commands(sub):

@@ -41,6 +41,11 @@ DEFAULT_DYNAMIC_DIMS = {0: (0,)}
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512)
 
 
+def available_strategies(device: str) -> tuple[str, ...]:
+    """The serving strategies that can run on `device` (CUDA graphs need a GPU)."""
+    return tuple(s for s in SERVING_STRATEGIES if s != "cuda_graphs" or device == "cuda")
+
+
 def check_strategy(strategy: str, known=SERVING_STRATEGIES) -> None:
     if strategy not in known:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {list(known)}")
@@ -134,6 +139,7 @@ class Compiled(Runner):
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
+        self.inductor_config = {}  # Inductor settings patched in while compiling (make_runner)
         self._capture = None
         options = {"guard_filter_fn": self.guard_filter_fn} if self.guard_filter_fn else None
         self.compiled = torch.compile(self.fn, backend=self._backend, fullgraph=True,
@@ -144,7 +150,8 @@ class Compiled(Runner):
         """Inductor, as backend="inductor" runs it, keeping each compiled graph so that it can
         also be called directly, without Dynamo in front (see `direct_call`)."""
         from torch._inductor.compile_fx import compile_fx
-        graph = compile_fx(gm, example_inputs)
+        with torch._inductor.config.patch(self.inductor_config):
+            graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
 
         def call(*args):  # Dynamo's transformed code calls the graph with flat inputs
@@ -301,7 +308,9 @@ class CUDAGraphs(Runner):
         return next((s for s in self.capture_sizes if s >= batch), None)
 
     def __call__(self, *args):
-        batch = args[self.batched[0]].shape[0]
+        # With no batched argument (a decode step on its own persistent buffers), every call
+        # is the one captured size.
+        batch = args[self.batched[0]].shape[0] if self.batched else self.capture_sizes[-1]
         size = self.size_for(batch)
         if size is None:
             return self.inner(*args)
@@ -324,12 +333,14 @@ class CUDAGraphs(Runner):
 
 
 def make_runner(fn, strategy: str, device: str, example_args: tuple,
-                dynamic_dims: dict | None = None, capture_sizes=None) -> Runner:
+                dynamic_dims: dict | None = None, capture_sizes=None,
+                inductor_config: dict | None = None) -> Runner:
     """`fn` run by `strategy` (one of SERVING_STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
     index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
-    to the example's batch size)."""
+    to the example's batch size). `inductor_config` patches Inductor's settings while it
+    compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on the CPU)."""
     check_strategy(strategy)
     dims = DEFAULT_DYNAMIC_DIMS if dynamic_dims is None else dynamic_dims
     if strategy == "eager":
@@ -341,6 +352,9 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     elif strategy == "bytecode_hook":
         runner = BytecodeHook(fn, device, dims)
     else:
-        batch = example_args[min(dims)].shape[0]
+        batch = example_args[min(dims, default=0)].shape[0]
         runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch))
+    compiled = getattr(runner, "inner", runner)
+    if inductor_config and isinstance(compiled, Compiled):
+        compiled.inductor_config = dict(inductor_config)
     return runner.warm(tuple(example_args))
