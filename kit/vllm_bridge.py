@@ -75,6 +75,13 @@ def write_model_folder(arch, folder: Path) -> Path:
 def _fail_message(e: BaseException) -> str:
     """One line from an exception vLLM raised, with what the learner can do."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    errors = getattr(e, "errors", None)  # vLLM's configs are pydantic: take the first error
+    if callable(errors):
+        with contextlib.suppress(Exception):
+            first = errors()[0]
+            where = ".".join(str(x) for x in first.get("loc", ()))
+            text = (f"{where}: " if where else "") + first["msg"].removeprefix("Value error, ")
+    text = text.split(" Supported architectures")[0].rstrip(".")  # a list of hundreds follows
     if "not supported" in text or "architecture" in text.lower():
         return (f"vLLM cannot run this model: {text}. Use a Llama, Mistral, Qwen2 or Gemma "
                 "config (data/models/).")
@@ -170,10 +177,14 @@ def vllm_kv_sizing(arch, budget_bytes: int, *, block_size: int, max_model_len: i
     import tempfile
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
         model = write_model_folder(arch, Path(folder or tmp) / arch.name)
-        config = engine_config(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                               max_model_len=max_model_len, dtype=dtype,
-                               tensor_parallel_size=tensor_parallel_size,
-                               kv_cache_memory_bytes=budget_bytes)
+        try:
+            config = engine_config(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                                   max_model_len=max_model_len, dtype=dtype,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   kv_cache_memory_bytes=budget_bytes)
+        except Exception as e:  # vLLM refuses the settings themselves (a name, a size)
+            return VLLMKVSizing(None, block_size, None, None, None, None,
+                                error=_fail_message(e))
         return size_with_vllm_config(config, budget_bytes)
 
 
@@ -206,6 +217,7 @@ class EngineRun:
     decode_input_len: int | None = None
     decode_output_len: int | None = None
     torch_threads: int | None = None  # intra-op threads the engine's model ran with
+    specs_as_built: bool | None = None  # engine's KV specs == `layer_specs` (the no-engine path)
     log: list[str] = field(default_factory=list)
 
     @property
@@ -322,6 +334,8 @@ def _read_engine(llm, run: EngineRun, records: list) -> None:
         records, "Warming up model for the compilation", "Warming up done")
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process client
     if core is not None:
+        # the engine's own layer specs, beside those `layer_specs` builds without an engine
+        run.specs_as_built = core.model_executor.get_kv_cache_specs()[0] == layer_specs(vc)
         kv = core.scheduler.kv_cache_config
         run.kv_cache_bytes = sum(t.size for t in kv.kv_cache_tensors)
         run.bytes_per_block = run.kv_cache_bytes // kv.num_blocks if kv.num_blocks else None

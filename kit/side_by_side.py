@@ -1,0 +1,143 @@
+"""Chapter 05: the kit's numbers beside the real vLLM's, for the same config and KV budget.
+
+- KV blocks: the kit's arithmetic (`kit.kv_cache`) against vLLM's own KV cache code
+  (`kit.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and cache
+  dtype; and against a started engine for the chapter's model.
+- Decode step time: the kit's decode loop (`kit_decode_step`, chapter 04's `kit.decode`) against
+  vLLM's engine loop (`kit.vllm_bridge.run_settings`), eager and compiled.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import kit
+from kit.config import ConfigError
+from kit.kv_cache import KVCacheSpec, size_kv_cache
+from kit.vllm_bridge import VLLMKVSizing, vllm_kv_sizing
+
+# The kit's serving modes beside vLLM's: eager is eager; "compiled" is vLLM's way of compiling
+# (one guard-free torch.compile) on both sides.
+KIT_STRATEGY = {"eager": "eager", "compiled": "guard_free"}
+
+
+def device_label(device: str) -> str:
+    """How vLLM names the device in its log lines."""
+    return "GPU" if device == "cuda" else device.upper()
+
+
+@dataclass
+class KVAgreement:
+    """One configuration sized by the kit and by vLLM's own code."""
+
+    model: str
+    budget_bytes: int
+    block_size: int
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    max_model_len: int
+    kit_blocks: int | None
+    vllm_blocks: int | None
+    kit_log_line: str | None
+    vllm_log_line: str | None
+    kit_error: str | None
+    vllm_error: str | None
+
+    @property
+    def agree(self) -> bool:
+        """Both refuse, or both give the same blocks and the same log line."""
+        if self.kit_error or self.vllm_error:
+            return bool(self.kit_error and self.vllm_error)
+        return self.kit_blocks == self.vllm_blocks and self.kit_log_line == self.vllm_log_line
+
+    def row(self) -> dict:
+        return {**asdict(self), "agree": self.agree}
+
+
+def kit_kv_sizing(settings, budget_bytes: int):
+    """The kit's sizing for `settings` (model, block size, cache dtype, TP, max_model_len) at
+    `budget_bytes`; a ConfigError's message when the kit refuses, as vLLM would."""
+    try:
+        return size_kv_cache(KVCacheSpec.from_settings(settings), budget_bytes,
+                             settings.max_model_len, device_label(settings.device))
+    except ConfigError as e:
+        return str(e)
+
+
+def kv_agreement(settings, budget_bytes: int) -> KVAgreement:
+    """The kit's blocks and log line beside vLLM's for one configuration (no engine)."""
+    kit_side = kit_kv_sizing(settings, budget_bytes)
+    vllm_side: VLLMKVSizing = vllm_kv_sizing(
+        settings.arch, budget_bytes, block_size=settings.block_size,
+        max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+        dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size)
+    refused = isinstance(kit_side, str)
+    return KVAgreement(
+        settings.arch.name, budget_bytes, settings.block_size, settings.kv_cache_dtype,
+        settings.tensor_parallel_size, settings.max_model_len,
+        None if refused else kit_side.num_blocks, vllm_side.num_blocks,
+        None if refused else kit_side.log_line(), vllm_side.log_line,
+        kit_side if refused else None, vllm_side.error)
+
+
+def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
+                   tensor_parallel_sizes=(1,), max_model_len: int = 2048) -> list[KVAgreement]:
+    """`kv_agreement` for every combination (each model's max_model_len capped at its own)."""
+    out = []
+    for model, budget, block_size, cache_dtype, tp in itertools.product(
+            models, budgets, block_sizes, cache_dtypes, tensor_parallel_sizes):
+        arch = kit.config.ModelConfig.load(model)
+        settings = kit.load(preset, model=model, block_size=block_size,
+                            kv_cache_dtype=cache_dtype, tensor_parallel_size=tp,
+                            max_model_len=min(max_model_len, arch.max_position_embeddings))
+        out.append(kv_agreement(settings, kit.config.parse_bytes(budget)))
+    return out
+
+
+def engine_agreement(settings, budget_bytes: int, run) -> dict:
+    """The kit's sizing beside what a started engine (`EngineRun`) decided."""
+    kit_side = kit_kv_sizing(settings, budget_bytes)
+    ok = not isinstance(kit_side, str) and run.ok
+    return {"kit_blocks": kit_side.num_blocks if ok else None, "vllm_blocks": run.num_blocks,
+            "kit_log_line": kit_side.log_line() if ok else None,
+            "vllm_log_line": run.kv_log_line,
+            "kit_cache_bytes": kit_side.cache_bytes if ok else None,
+            "vllm_cache_bytes": run.kv_cache_bytes,
+            "agree": ok and kit_side.num_blocks == run.num_blocks
+            and kit_side.log_line() == run.kv_log_line
+            and kit_side.cache_bytes == run.kv_cache_bytes}
+
+
+# ---------------------------------------------------------------------------------------------
+# The kit's decode step: where chapter 04's timing plugs in
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class KitDecode:
+    """The kit's decode steps for one mode, in the same shape as vLLM's (`EngineRun`)."""
+
+    mode: str
+    strategy: str
+    step_seconds: list[float]
+    compile_seconds: float | None
+    error: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        from statistics import median
+        return median(self.step_seconds) if self.step_seconds else None
+
+
+def kit_decode_step(settings, mode: str, num_blocks: int, repeats: int = 3) -> KitDecode:
+    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode`): per-step seconds
+    of the kit's paged decode of `settings.batch_size` prompts of `settings.input_len` tokens,
+    `settings.output_len` tokens each, in a cache of `num_blocks` blocks, run the `mode` way."""
+    strategy = KIT_STRATEGY[mode]
+    try:
+        from kit import decode  # noqa: F401  (chapter 04)
+    except ImportError:
+        return KitDecode(mode, strategy, [], None,
+                         error="the kit's decode timing (kit/decode.py, chapter 04) is not "
+                               "in this tree yet")
+    return KitDecode(mode, strategy, [], None,
+                     error="kit.decode is present but not wired into kit_decode_step yet")
