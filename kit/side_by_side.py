@@ -141,3 +141,95 @@ def kit_decode_step(settings, mode: str, num_blocks: int, repeats: int = 3) -> K
                                "in this tree yet")
     return KitDecode(mode, strategy, [], None,
                      error="kit.decode is present but not wired into kit_decode_step yet")
+
+
+# ---------------------------------------------------------------------------------------------
+# The chapter's tables
+# ---------------------------------------------------------------------------------------------
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def kv_rows(kit_sizing, runs: dict) -> list[dict]:
+    """KV blocks, tokens, concurrency and bytes: the kit beside each started engine."""
+    quantities = [("KV blocks", "num_blocks", "num_blocks"),
+                  ("KV tokens (vLLM's 'KV cache size')", "num_tokens", "num_tokens"),
+                  ("max concurrency", "max_concurrency", "max_concurrency"),
+                  ("KV cache bytes", "cache_bytes", "kv_cache_bytes"),
+                  ("block size (tokens)", None, "block_size")]
+    rows = []
+    for label, kit_attr, run_attr in quantities:
+        kit_value = kit_sizing.spec.block_size if kit_attr is None else getattr(kit_sizing, kit_attr)
+        row = {"quantity": label, "kit": kit_value}
+        row.update({f"vLLM {mode}": getattr(run, run_attr) for mode, run in runs.items()})
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class DecodeComparison:
+    """One mode's decode step, the kit beside vLLM (seconds)."""
+
+    mode: str
+    kit_strategy: str
+    kit_step: float | None
+    vllm_step: float | None
+    kit_compile: float | None
+    vllm_compile: float | None
+    vllm_startup: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        """kit ÷ vLLM: below 1 the kit's step is faster."""
+        if self.kit_step is None or not self.vllm_step:
+            return None
+        return self.kit_step / self.vllm_step
+
+    def row(self) -> dict:
+        def fmt(v, digits=3):
+            return "n/a" if v is None else f"{v:,.{digits}f}"
+        return {"mode": self.mode, "kit strategy": self.kit_strategy,
+                "kit step (ms)": fmt(_ms(self.kit_step)), "vLLM step (ms)": fmt(_ms(self.vllm_step)),
+                "kit ÷ vLLM": fmt(self.ratio, 2), "kit compile (s)": fmt(self.kit_compile, 1),
+                "vLLM compile (s)": fmt(self.vllm_compile, 1),
+                "vLLM start-up (s)": fmt(self.vllm_startup, 1)}
+
+
+def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
+    """Per mode: the kit's median step (`KitDecode`) beside vLLM's (`EngineRun`)."""
+    out = []
+    for mode, run in runs.items():
+        k = kit_decodes.get(mode)
+        out.append(DecodeComparison(mode, KIT_STRATEGY[mode], k.median if k else None,
+                                    run.decode_step_median, k.compile_seconds if k else None,
+                                    run.compile_seconds, run.startup_seconds))
+    return out
+
+
+def best_ratio(comparisons: list[DecodeComparison]) -> float | None:
+    """The kit's best step over vLLM's best step (the issue's target: at most 1.0)."""
+    kit_steps = [c.kit_step for c in comparisons if c.kit_step is not None]
+    vllm_steps = [c.vllm_step for c in comparisons if c.vllm_step is not None]
+    if not kit_steps or not vllm_steps:
+        return None
+    return min(kit_steps) / min(vllm_steps)
+
+
+def chapter_budget(settings) -> int:
+    """The KV budget both sides get: `kv_cache_memory_bytes`, which the CPU needs given."""
+    if settings.kv_cache_memory_bytes is None:
+        raise ConfigError("chapter 05 compares the kit and vLLM at a fixed KV budget: give "
+                          "kv_cache_memory_bytes (e.g. 256MiB); on a GPU vLLM can profile one "
+                          "first")
+    return settings.kv_cache_memory_bytes
+
+
+def with_budget(settings, profiled_run):
+    """`settings` with vLLM's profiled KV budget (GPU) as `kv_cache_memory_bytes`."""
+    from dataclasses import replace
+    if not profiled_run.ok or not profiled_run.kv_cache_bytes:
+        raise ConfigError(f"vLLM could not profile a KV budget: {profiled_run.error}; give "
+                          "kv_cache_memory_bytes")
+    return replace(settings, kv_cache_memory_bytes=profiled_run.memory["kv_cache_budget_bytes"]
+                   if profiled_run.memory else profiled_run.kv_cache_bytes)

@@ -28,7 +28,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 # Keep vLLM's engine core in this process: no worker processes, works without a main guard.
@@ -177,15 +177,16 @@ def vllm_kv_sizing(arch, budget_bytes: int, *, block_size: int, max_model_len: i
     import tempfile
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
         model = write_model_folder(arch, Path(folder or tmp) / arch.name)
-        try:
-            config = engine_config(model, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                                   max_model_len=max_model_len, dtype=dtype,
-                                   tensor_parallel_size=tensor_parallel_size,
-                                   kv_cache_memory_bytes=budget_bytes)
-        except Exception as e:  # vLLM refuses the settings themselves (a name, a size)
-            return VLLMKVSizing(None, block_size, None, None, None, None,
-                                error=_fail_message(e))
-        return size_with_vllm_config(config, budget_bytes)
+        with captured_vllm_log([]):  # config chatter, a dozen lines per call: not shown
+            try:
+                config = engine_config(model, block_size=block_size,
+                                       kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                                       dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                       kv_cache_memory_bytes=budget_bytes)
+            except Exception as e:  # vLLM refuses the settings themselves (a name, a size)
+                return VLLMKVSizing(None, block_size, None, None, None, None,
+                                    error=_fail_message(e))
+            return size_with_vllm_config(config, budget_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,11 +463,16 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
 
 def run_settings(settings, mode: str, folder: Path, *, block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None, decode: bool = True,
-                 repeats: int = 10, echo_log: bool = False) -> EngineRun:
+                 repeats: int = 10, echo_log: bool = False,
+                 profile_memory: bool = False) -> EngineRun:
     """`run_engine` for the kit's `Settings`: the same model, dtype, batch and lengths;
     `block_size` and `kv_cache_memory_bytes` override the settings' (the chapter passes the same
-    values to both sides)."""
+    values to both sides). `profile_memory`: no fixed KV budget, so vLLM profiles the memory
+    and sizes the cache from gpu_memory_utilization (on a GPU; `EngineRun.memory`)."""
     arch = settings.arch
+    if profile_memory:
+        settings = replace(settings, kv_cache_memory_bytes=None)
+        kv_cache_memory_bytes = None
     model = write_model_folder(arch, Path(folder) / arch.name)
     return run_engine(
         model, mode, name=arch.name, vocab_size=arch.vocab_size, repeats=repeats,
