@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kit import runner
+from kit import bench, runner
 from kit.config import ConfigError
 
-COMMAND_MODULES = [runner]
+COMMAND_MODULES = [runner, bench]
 
 
 def main(argv=None) -> int:

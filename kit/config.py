@@ -177,6 +177,7 @@ class Settings:
     input_len: int
     output_len: int
     seed: int
+    strategies: tuple[str, ...] | None = None  # serving strategies to run; None: all that apply
     description: str = ""
 
     def __post_init__(self):
@@ -208,6 +209,7 @@ class Settings:
         object.__setattr__(self, "dtype", self._resolve_dtype(arch))
         from kit.device import resolve_device  # torch import kept out of pure config loading
         object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "strategies", self._check_strategies())
 
     def _check_positive(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -218,6 +220,27 @@ class Settings:
         for name in ("device_memory", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
+
+    def _check_strategies(self) -> tuple[str, ...] | None:
+        """None, a list or a comma-separated string of kit.compile's serving strategies, each
+        one known and usable on this device."""
+        if self.strategies is None:
+            return None
+        from kit.compile import SERVING_STRATEGIES, available_strategies
+        names = self.strategies.split(",") if isinstance(self.strategies, str) \
+            else list(self.strategies)
+        names = [n.strip() for n in names if n.strip()]
+        unknown = [n for n in names if n not in SERVING_STRATEGIES]
+        if unknown or not names:
+            what = f"unknown strategies {unknown}" if unknown else "no strategy named"
+            raise ConfigError(f"strategies={self.strategies!r}: {what}; known: "
+                              f"{list(SERVING_STRATEGIES)} (or None for all that apply)")
+        usable = available_strategies(self.device)
+        unusable = [n for n in names if n not in usable]
+        if unusable:
+            raise ConfigError(f"strategies {unusable} cannot run on device={self.device!r}; "
+                              f"here use any of {list(usable)}")
+        return tuple(dict.fromkeys(names))
 
     def _resolve_dtype(self, arch: ModelConfig) -> str:
         dtype = arch.torch_dtype if self.dtype == "auto" else self.dtype

@@ -3,10 +3,17 @@
 RMSNorm, rotary position embeddings, grouped- or multi-query attention and a gated MLP, with
 random weights drawn from a seed. `forward` runs prefill over a batch of equal-length
 sequences (as vLLM's profiling run does) and returns hidden states; `compute_logits` is applied
-to one position per sequence, as an engine's sampler does. Attention is one method,
-`Attention.attend`, so the paged decode of chapter 04 can replace it without touching the rest.
+to one position per sequence, as an engine's sampler does. `decode` runs one token per sequence
+over the paged KV cache (chapter 04).
+
+Attention is one method, `Attention.attend`. Without `AttentionMetadata` it is plain causal
+attention within each sequence. With it, the layer first writes its keys and values into the
+paged cache at `slot_mapping`; a prefill then attends as before, a decode step reads every
+sequence's keys and values back through its block table (`block_tables`, `context_lens`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +57,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class AttentionMetadata(NamedTuple):
+    """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
+
+    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (kit.kv_cache)
+    slot_mapping: [tokens] flat slot (block × block_size + offset) of each token's K and V
+    block_tables: [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
+    context_lens: [num_seqs] tokens each sequence attends to (its new token included)
+
+    A NamedTuple of tensors, so torch.compile traces it without guarding on Python state.
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+
+
+def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots.
+
+    One `index_put_` on the whole cache, indexed by (layer, K or V, block, offset): compiled,
+    that is an in-place scatter of just these rows. Written through a view instead (one
+    layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
+    block_size = kv_cache.shape[3]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    layer = torch.full_like(slot_mapping, layer_idx)
+    kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
+    kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
+                         torch.cat([offset, offset])), torch.cat([k, v]))
+
+
+def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor):
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
+
+    Keys and values are gathered through the block table: every shape depends only on the batch
+    size and the table's width, never on the contexts' lengths, so one compiled graph (or one
+    CUDA graph) serves every step. Positions past a sequence's context (the padding of its
+    last block, or of its table) are masked out.
+    """
+    num_seqs, width = block_tables.shape
+    _, _, block_size, kv_heads, head_dim = layer_cache.shape
+    max_len = width * block_size
+    k = layer_cache[0][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
+    v = layer_cache[1][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
+    visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=visible[:, None, None, :], enable_gqa=q.shape[1] != kv_heads)
+    return out[:, :, 0, :]
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelConfig):
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx  # which slice of the KV cache is this layer's
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
         q, kv, bias = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
@@ -62,16 +123,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(arch.hidden_size, kv, bias=bias)
         self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, num_seqs: int):
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         tokens = x.shape[0]
         q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        out = self.attend(q, k, v, num_seqs)
+        out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def attend(self, q, k, v, num_seqs: int):
-        """Causal attention within each of `num_seqs` equal-length sequences."""
+    def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
+        """Causal attention within each of `num_seqs` equal-length sequences; with `meta`, the
+        keys and values are also written to the paged cache, and a decode step (one token per
+        sequence, `meta.block_tables` given) reads its whole context back from there."""
+        if meta is not None:
+            write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+            if meta.block_tables is not None:
+                return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
+                                              meta.block_tables, meta.context_lens)
+
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -95,16 +164,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelConfig):
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
                                                 arch.gemma_norm)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, num_seqs: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs)
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -115,7 +184,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
         self.lm_head = None if arch.tie_word_embeddings else \
             nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -126,15 +195,29 @@ class Decoder(nn.Module):
             x = x * self.arch.hidden_size ** 0.5
         return x
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Prefill. input_ids: [num_seqs, seq_len] -> hidden states [num_seqs, seq_len, hidden]."""
+    def forward(self, input_ids: torch.Tensor,
+                meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Prefill. input_ids: [num_seqs, seq_len] -> hidden states [num_seqs, seq_len, hidden].
+        With `meta` (its slot_mapping covering every token), the keys and values also go to
+        the paged cache."""
         num_seqs, seq_len = input_ids.shape
         positions = torch.arange(seq_len, device=input_ids.device).repeat(num_seqs)
+        hidden = self.run_layers(input_ids.reshape(-1), positions, num_seqs, meta)
+        return hidden.view(num_seqs, seq_len, -1)
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """One decode step: one new token per sequence at `positions` ([num_seqs] each), its
+        attention reading the context through `meta`'s block tables -> [num_seqs, hidden]."""
+        return self.run_layers(input_ids, positions, input_ids.shape[0], meta)
+
+    def run_layers(self, input_ids, positions, num_seqs: int, meta=None) -> torch.Tensor:
+        """Flat tokens [tokens] at `positions` [tokens] through every layer and the final norm."""
         cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
-        x = self.embed(input_ids.reshape(-1))
+        x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, num_seqs)
-        return self.norm(x).view(num_seqs, seq_len, -1)
+            x = layer(x, cos, sin, num_seqs, meta)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

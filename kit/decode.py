@@ -1,0 +1,289 @@
+"""Decode over the paged KV cache (chapter 04): prefill, decode steps, a no-cache reference,
+per-step timing per strategy, and the roofline floor beside it.
+
+A batch of prompts is prefilled into the cache through chapter 02's `BlockAllocator`; then each
+decode step feeds one token per sequence, and its attention reads keys and values back through
+the block table (`kit.model.paged_decode_attention`). The step is built to compile well: its
+inputs are the same tensors every step (token ids, positions, block tables, the cache), updated
+in place, with shapes fixed by the batch size and the table's width; there is no Python
+control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
+
+Correctness first: `reference_logits` recomputes every step's logits over the whole sequence
+without any cache, and every strategy's logits must equal them within a tolerance by dtype.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kit.block_table import BlockAllocator
+from kit.config import ConfigError, Settings
+from kit.device import synchronize
+from kit.kv_cache import KVCacheSpec, allocate
+from kit.model import AttentionMetadata, Decoder
+
+# Largest |paged - reference| allowed, relative to the reference logits' largest magnitude.
+# bf16 keeps 8 bits of mantissa (0.4% per rounding); the two paths round at different places
+# (one token at a time against the whole sequence), and the error grows through the layers.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+# --- the batch: prompts, and the token positions they occupy in the cache -------------------
+
+def prompt_lengths(batch_size: int, input_len: int, mixed: bool = False) -> list[int]:
+    """`batch_size` prompts of `input_len` tokens, or with `mixed`, spread between about half
+    of input_len and input_len (odd sizes, so they end inside blocks, not on their edges)."""
+    if not mixed or batch_size == 1:
+        return [input_len] * batch_size
+    low = max(1, input_len // 2)
+    return [low + (input_len - low) * i // (batch_size - 1) for i in range(batch_size)]
+
+
+def make_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+
+
+def blocks_needed(lengths: list[int], steps: int, block_size: int) -> int:
+    """Blocks the whole run holds at its end: each sequence's prompt plus the tokens fed back."""
+    return sum(math.ceil((n + steps) / block_size) for n in lengths)
+
+
+def table_width(lengths: list[int], steps: int, block_size: int) -> int:
+    """Columns of the block table: the longest sequence's blocks at the end of the run. Fixed
+    for the run, so every step has the same shapes."""
+    return math.ceil((max(lengths) + steps) / block_size)
+
+
+def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: int,
+                   budget_source: str = "the KV budget") -> int:
+    """Refuse a run whose tokens do not fit in `num_blocks`, saying how many are missing."""
+    need = blocks_needed(lengths, steps, block_size)
+    if need > num_blocks:
+        raise ConfigError(
+            f"the run needs {need:,} KV cache blocks ({len(lengths)} sequences of up to "
+            f"{max(lengths) + steps:,} tokens, {block_size} tokens per block) but {budget_source} "
+            f"holds {num_blocks:,}: {need - num_blocks:,} blocks missing. Lower batch_size, "
+            "input_len or output_len, or give the cache more memory (kv_cache_memory_bytes, "
+            "gpu_memory_utilization, device_memory)")
+    return need
+
+
+class PagedBatch:
+    """The decode state of one batch: its blocks, and the tensors the step reads each time.
+
+    `input_ids`, `positions` and `block_tables` live on the device and are updated in place
+    (as vLLM's persistent input buffers are), so a compiled graph or a CUDA graph captured on
+    them stays valid for every step, and for every run after `start` resets them.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int):
+        self.kv_cache, self.lengths = kv_cache, list(lengths)
+        self.block_size = kv_cache.shape[3]
+        device = kv_cache.device
+        self.block_tables = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(len(lengths), dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(len(lengths), dtype=torch.long, device=device)
+        self.allocator = None
+
+    def step_args(self) -> tuple:
+        return (self.input_ids, self.positions, self.block_tables, self.kv_cache)
+
+    @torch.no_grad()
+    def start(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """A fresh run: every block free, the prompts prefilled into the cache, each one's first
+        new token (greedy) ready as the next input. Returns the prefill's logits."""
+        self.allocator = BlockAllocator(self.kv_cache.shape[2], self.block_size)
+        self.block_tables.zero_()  # padding entries: block 0 will do, the mask hides them
+        self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
+        logits = self.prefill(model, prompts)
+        self.input_ids.copy_(logits.argmax(-1))
+        return logits
+
+    def prefill(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
+        """Write every prompt's keys and values to the cache; return the logits of each
+        prompt's last token [num_seqs, vocab]. Prompts of equal length go in one forward."""
+        device = self.kv_cache.device
+        logits = [None] * len(prompts)
+        for length in sorted(set(self.lengths)):
+            seqs = [i for i, n in enumerate(self.lengths) if n == length]
+            slots = []
+            for i in seqs:
+                table = self.allocator.allocate(i, length)
+                self.block_tables[i, :len(table)] = torch.tensor(table)
+                slots += [self.allocator.slot(i, p) for p in range(length)]
+            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=device))
+            ids = torch.stack([prompts[i] for i in seqs]).to(device)
+            last = model.compute_logits(model(ids, meta)[:, -1])
+            for row, i in enumerate(seqs):
+                logits[i] = last[row]
+        return torch.stack(logits)
+
+    def make_room(self) -> None:
+        """Bookkeeping before a step: each sequence's new token may open a block."""
+        for i in range(len(self.lengths)):
+            block = self.allocator.append_token(i)
+            if block is not None:
+                self.block_tables[i, (self.allocator.lengths[i] - 1) // self.block_size] = block
+
+    @torch.no_grad()
+    def step(self, step) -> torch.Tensor:
+        """One decode step through `step` (the step function, or a strategy's runner of it):
+        bookkeeping, the step, greedy sampling fed back in place. Returns the logits."""
+        self.make_room()
+        logits = step(*self.step_args())
+        self.input_ids.copy_(logits.argmax(-1))
+        self.positions.add_(1)
+        return logits
+
+
+def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache) -> torch.Tensor:
+    """One decode step for the whole batch: logits [num_seqs, vocab] of the tokens `input_ids`
+    at `positions`. Where each token's K and V go (its slot) and how much context each sequence
+    sees follow from the positions and the block table, computed here on the device."""
+    block_size = kv_cache.shape[3]
+    block = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,
+                             block_tables, positions + 1)
+    return model.compute_logits(model.decode(input_ids, positions, meta))
+
+
+def step_function(model: Decoder):
+    """`decode_step` bound to `model`: the function a strategy compiles (tensors in, logits out)."""
+    def step(input_ids, positions, block_tables, kv_cache):
+        return decode_step(model, input_ids, positions, block_tables, kv_cache)
+    return step
+
+
+# --- running and timing ----------------------------------------------------------------------
+
+class StepClock:
+    """Per-step times: CUDA events on a GPU (read once at the end, so timing never stalls the
+    queue), a monotonic clock on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda, self.marks = device == "cuda", []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+@dataclass
+class Generation:
+    """One greedy run: prefill, then `steps` decode steps, with every step's time."""
+
+    prompt_lens: list[int]
+    tokens: torch.Tensor          # [num_seqs, steps + 1]: the prefill's token, then each step's
+    logits: torch.Tensor | None   # [steps + 1, num_seqs, vocab] (model dtype, CPU) when kept
+    prefill_seconds: float
+    step_seconds: list[float]
+
+    @property
+    def context_lens(self) -> list[list[int]]:
+        """Tokens each sequence attends to at each decode step (its new one included)."""
+        return [[n + t + 1 for n in self.prompt_lens] for t in range(len(self.step_seconds))]
+
+
+@torch.no_grad()
+def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
+             step=None, keep_logits: bool = True) -> Generation:
+    """Prefill `prompts` into `batch`'s cache, then `steps` greedy decode steps through `step`
+    (the eager step function by default, or a strategy's runner of it), each one timed. A
+    step's time covers its bookkeeping (new blocks), the step and sampling, as an engine's does;
+    copying out its tokens and logits for the correctness check comes after the clock."""
+    device = batch.kv_cache.device.type
+    step = step or step_function(model)
+    synchronize(device)
+    t0 = time.perf_counter()
+    first = batch.start(model, prompts)
+    synchronize(device)
+    prefill_seconds = time.perf_counter() - t0
+    tokens, logits = [batch.input_ids.clone()], [first] if keep_logits else None
+    clock = StepClock(device)
+    clock.mark()
+    for _ in range(steps):
+        out = batch.step(step)
+        clock.mark()
+        tokens.append(batch.input_ids.clone())
+        if keep_logits:
+            logits.append(out.clone())  # a CUDA graph's output is overwritten by its next replay
+    return Generation(batch.lengths, torch.stack(tokens, 1).cpu(),
+                      torch.stack(logits).cpu() if keep_logits else None,
+                      prefill_seconds, clock.intervals())
+
+
+def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int) -> PagedBatch:
+    """A batch whose block table is wide enough for `steps` decode steps."""
+    return PagedBatch(kv_cache, lengths, table_width(lengths, steps, kv_cache.shape[3]))
+
+
+@torch.no_grad()
+def reference_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """The logits a run must have produced for one sequence, recomputed without any cache: its
+    prompt and the tokens fed back (`fed`, one per decode step) in one causal forward over the
+    whole sequence; by causality position n - 1 + t holds step t's logits (step 0: the
+    prefill). -> [len(fed) + 1, vocab], float32 on the CPU."""
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt, fed]).to(device)[None]
+    hidden = model(ids)[0, len(prompt) - 1:]
+    return model.compute_logits(hidden).float().cpu()
+
+
+@dataclass
+class Correctness:
+    """How far a paged run's logits are from the no-cache reference, step by step: the largest
+    |paged - reference| over the batch, relative to the reference logits' largest magnitude."""
+
+    dtype: str
+    tolerance: float
+    errors: list[float]            # step 0 is the prefill, then each decode step
+    token_agreement: float         # fraction of steps where both pick the same greedy token
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors)
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+    def summary(self) -> dict:
+        return {"dtype": self.dtype, "tolerance": self.tolerance, "max_error": self.max_error,
+                "ok": self.ok, "token_agreement": self.token_agreement, "errors": self.errors}
+
+
+def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:
+    """Compare every step's logits of `run` with the no-cache reference, one sequence at a time
+    (so only one sequence's reference logits are held at once)."""
+    steps = len(run.step_seconds)
+    diff = scale = torch.zeros(steps + 1)
+    same = 0
+    for i, prompt in enumerate(prompts):
+        ref = reference_logits(model, prompt, run.tokens[i, :steps])
+        got = run.logits[:, i].float()
+        diff = torch.maximum(diff, (got - ref).abs().amax(-1))
+        scale = torch.maximum(scale, ref.abs().amax(-1))
+        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+    return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(),
+                       same / ((steps + 1) * len(prompts)))
+
+
+def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
+    """The cache tensor ([num_layers, 2, num_blocks, block_size, kv_heads, head_dim])."""
+    return allocate(KVCacheSpec.from_settings(settings), num_blocks, settings.dtype,
+                    settings.device)

@@ -1,0 +1,360 @@
+"""Decode timing per strategy, against the roofline (chapter 04), and `python -m kit bench decode`.
+
+`run_decode(settings)` checks the request first (nothing heavy before the errors a learner can
+fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else chapter 01's eager
+memory profile), measures the device's copy bandwidth and matmul throughput, checks a batch of
+mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
+(compilation, CUDA graph capture) reported apart, and a timed run of `output_len - 1` decode
+steps after the prefill, each step timed and its logits checked against the reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kit.config import DATA, ConfigError, Settings, load
+from kit.decode import (Correctness, PagedBatch, blocks_needed, check_against_reference,
+                        check_capacity, generate, kv_cache_for, make_prompts, new_batch,
+                        prompt_lengths, step_function)
+from kit.device import Timings, describe, synchronize, versions
+from kit.kv_cache import KVCacheSpec, size_kv_cache
+from kit.model import Decoder, build_model, weights_bytes
+from kit.plots import Table
+from kit.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
+
+GiB = 2**30
+
+
+@dataclass
+class StrategyTiming:
+    """One strategy's decode run: warm-up (compilation included) apart from the timed steps."""
+
+    strategy: str
+    compile_seconds: float         # the first call of the step (compiles, or captures a graph)
+    warmup_seconds: float          # the whole warm-up run: its prefill, steps and compilation
+    prefill_seconds: float
+    step_seconds: list[float]
+    num_seqs: int
+    correctness: Correctness | None = None
+    floor_seconds: list[float] = field(default_factory=list)  # per step, from the roofline
+
+    @property
+    def median(self) -> float:
+        return Timings(self.step_seconds).median
+
+    @property
+    def p10(self) -> float:
+        return Timings(self.step_seconds).quantile(0.1)
+
+    @property
+    def p90(self) -> float:
+        return Timings(self.step_seconds).quantile(0.9)
+
+    @property
+    def spread(self) -> float:
+        """p90 - p10 of the step times."""
+        return Timings(self.step_seconds).spread
+
+    @property
+    def end_to_end_seconds(self) -> float:
+        return self.prefill_seconds + sum(self.step_seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens (the prefill's one and each step's) per second, end to end."""
+        return self.num_seqs * (len(self.step_seconds) + 1) / self.end_to_end_seconds
+
+    @property
+    def percent_of_floor(self) -> float | None:
+        """The bandwidth floor as % of the measured step time (median over the steps): 100%
+        means the step moves its bytes as fast as a plain copy does."""
+        if not self.floor_seconds:
+            return None
+        return 100 * statistics.median(f / s for f, s in zip(self.floor_seconds,
+                                                              self.step_seconds))
+
+    def summary(self) -> dict:
+        return {"strategy": self.strategy, "compile_seconds": self.compile_seconds,
+                "warmup_seconds": self.warmup_seconds, "prefill_seconds": self.prefill_seconds,
+                "median_step_seconds": self.median, "p10_step_seconds": self.p10,
+                "p90_step_seconds": self.p90, "spread_seconds": self.spread,
+                "end_to_end_seconds": self.end_to_end_seconds,
+                "tokens_per_second": self.tokens_per_second,
+                "percent_of_floor": self.percent_of_floor, "step_seconds": self.step_seconds,
+                "floor_seconds": self.floor_seconds,
+                "correctness": self.correctness.summary() if self.correctness else None}
+
+
+@torch.no_grad()
+def time_strategy(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
+                  strategy: str, dtype: str, warmup_steps: int = 2) -> StrategyTiming:
+    """Warm `strategy` up on a throw-away run (compiling, or capturing a CUDA graph, happens
+    there and is timed apart), then time a fresh run step by step on the same tensors, and
+    check its logits against the no-cache reference."""
+    from kit.compile import make_runner
+    device = batch.kv_cache.device.type
+    t0 = time.perf_counter()
+    batch.start(model, prompts)
+    batch.make_room()
+    # Shapes are fixed by the batch (nothing marked dynamic); a CUDA graph is captured for
+    # exactly this batch size, on the batch's own tensors, so no padded row ever writes.
+    runner = make_runner(step_function(model), strategy, device, batch.step_args(),
+                         dynamic_dims={}, capture_sizes=[len(prompts)])
+    batch.positions.add_(1)  # the runner's first call was the step at these positions
+    for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
+        batch.step(runner)
+    synchronize(device)
+    warmup_seconds = time.perf_counter() - t0
+    run = generate(model, batch, prompts, steps, step=runner)
+    runner.discard()
+    return StrategyTiming(strategy=strategy, compile_seconds=runner.compile_seconds,
+                          warmup_seconds=warmup_seconds, prefill_seconds=run.prefill_seconds,
+                          step_seconds=run.step_seconds, num_seqs=len(prompts),
+                          correctness=check_against_reference(model, prompts, run, dtype))
+
+
+# --- checking the request before anything heavy ---------------------------------------------
+
+def strategies_for(settings: Settings) -> tuple[str, ...]:
+    """The settings' strategies, or every one that runs on the device."""
+    from kit.compile import available_strategies
+    return settings.strategies or available_strategies(settings.device)
+
+
+@dataclass
+class DecodePlan:
+    """What a decode run will hold in the KV cache, and the budget it must fit in."""
+
+    prompt_lens: list[int]
+    steps: int
+    block_size: int
+    blocks_needed: int
+    budget_bytes: int
+    budget_source: str
+    budget_blocks: int
+
+    def summary(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_request(settings: Settings) -> None:
+    """Refuse what the paged decode cannot run, with what to change."""
+    if settings.output_len < 2:
+        raise ConfigError(f"output_len={settings.output_len}: the prefill makes the first token, "
+                          "so timing decode steps needs output_len of 2 or more")
+    if settings.tensor_parallel_size != 1:
+        raise ConfigError(f"tensor_parallel_size={settings.tensor_parallel_size}: the kit's "
+                          "decode runs on one device; use 1")
+    spec = KVCacheSpec.from_settings(settings)
+    if spec.dtype_bytes != settings.dtype_bytes or spec.kv_cache_dtype not in ("auto",
+                                                                             settings.dtype):
+        raise ConfigError(f"kv_cache_dtype={settings.kv_cache_dtype!r}: the kit's decode stores "
+                          f"keys and values in the model's dtype ({settings.dtype}); use 'auto'")
+
+
+def plan_decode(settings: Settings, budget_bytes: int, budget_source: str) -> DecodePlan:
+    """The run's blocks against `budget_bytes`; refuses, naming the missing blocks, when the
+    tokens do not fit."""
+    spec = KVCacheSpec.from_settings(settings)
+    lengths = prompt_lengths(settings.batch_size, settings.input_len)
+    steps = settings.output_len - 1
+    budget_blocks = max(0, budget_bytes) // spec.bytes_per_block
+    need = check_capacity(lengths, steps, settings.block_size, budget_blocks,
+                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
+    return DecodePlan(lengths, steps, settings.block_size, need, budget_bytes, budget_source,
+                      budget_blocks)
+
+
+def early_plan(settings: Settings) -> DecodePlan:
+    """Before loading anything: the exact plan when kv_cache_memory_bytes is given, else one
+    against the most the cache could ever get (capacity × utilization − weights)."""
+    if settings.kv_cache_memory_bytes is not None:
+        return plan_decode(settings, settings.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    from kit.device import capacity_bytes
+    most = int(capacity_bytes(settings.device, settings.device_memory)
+               * settings.gpu_memory_utilization) - settings.arch.num_parameters() \
+        * settings.dtype_bytes
+    return plan_decode(settings, most, "capacity × gpu_memory_utilization − weights")
+
+
+def kv_budget(settings: Settings, model: Decoder) -> tuple[int, str]:
+    """kv_cache_memory_bytes when given, else what chapter 01's eager memory profile leaves."""
+    if settings.kv_cache_memory_bytes is not None:
+        return settings.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    from kit.memory import profile_run
+    with torch.inference_mode():
+        profile = profile_run(model, settings, "eager", weights_bytes(model))
+    return profile.kv_cache_bytes, "the eager memory profile's KV budget"
+
+
+# --- the whole measurement --------------------------------------------------------------------
+
+@dataclass
+class DecodeReport:
+    """Everything one decode benchmark measured."""
+
+    settings: Settings
+    plan: DecodePlan
+    limits: DeviceLimits
+    mixed_lens: list[int]
+    mixed: Correctness
+    timings: dict[str, StrategyTiming]
+    costs: list[StepCost]               # per decode step of the timed runs
+    machine: dict = field(default_factory=dict)
+    load_average: dict = field(default_factory=dict)
+
+    @property
+    def floor_seconds(self) -> list[float]:
+        return [c.floor_seconds(self.limits.bandwidth) for c in self.costs]
+
+    @property
+    def median_cost(self) -> StepCost:
+        return self.costs[len(self.costs) // 2]
+
+    @property
+    def compute_floor_seconds(self) -> float:
+        """The median step's FLOPs at the measured matmul throughput."""
+        return self.median_cost.flops / self.limits.matmul_flops_per_second
+
+    def best(self) -> StrategyTiming:
+        return min(self.timings.values(), key=lambda t: t.median)
+
+    def summary(self) -> dict:
+        s = self.settings
+        return {"settings": s.as_dict(), "model": s.arch.name, "device": s.device,
+                "batch_size": s.batch_size, "input_len": s.input_len, "output_len": s.output_len,
+                "plan": self.plan.summary(), "limits": self.limits.summary(),
+                "median_step_cost": self.median_cost.summary(),
+                "floor_seconds": self.floor_seconds,
+                "compute_floor_seconds": self.compute_floor_seconds,
+                "mixed_lengths": {"prompt_lens": self.mixed_lens, **self.mixed.summary()},
+                "strategies": {k: t.summary() for k, t in self.timings.items()},
+                "best_strategy": self.best().strategy, "machine": self.machine,
+                "load_average": self.load_average}
+
+    def table(self) -> Table:
+        rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
+                 "median ms": f"{t.median * 1e3:.2f}",
+                 "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
+                 "end to end s": f"{t.end_to_end_seconds:.3f}",
+                 "tokens/s": f"{t.tokens_per_second:,.0f}",
+                 "% of floor": f"{t.percent_of_floor:.0f}%",
+                 "max logit error": f"{t.correctness.max_error:.1e}"}
+                for t in self.timings.values()]
+        s = self.settings
+        return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
+                           f"{self.plan.steps} decode steps, {s.dtype}, {s.device}")
+
+
+def run_decode(settings: Settings, progress=print) -> DecodeReport:
+    """The chapter's measurement: correctness, then every strategy timed against the floor."""
+    check_request(settings)
+    early_plan(settings)
+    strategies = strategies_for(settings)
+    load_before = os.getloadavg()
+    progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
+    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
+    plan = plan_decode(settings, *kv_budget(settings, model))
+    progress(f"KV cache: the run needs {plan.blocks_needed:,} of the {plan.budget_blocks:,} "
+             f"blocks the budget holds ({plan.budget_source}); allocating those it needs")
+    kv_cache = kv_cache_for(settings, plan.blocks_needed)
+    progress("measuring copy bandwidth and matmul throughput ...")
+    limits = measure_limits(settings.device, settings.dtype)
+    progress(f"  {limits.bandwidth / 1e9:,.1f} GB/s copy, "
+             f"{limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s matmul")
+    mixed_lens, mixed = check_mixed_lengths(settings, model, kv_cache, plan.steps)
+    progress(f"mixed prompt lengths {mixed_lens}: max logit error {mixed.max_error:.1e} "
+             f"(tolerance {mixed.tolerance:.0e} for {settings.dtype})")
+    spec = KVCacheSpec.from_settings(settings)
+    costs = [decode_step_cost(settings.arch, settings.dtype_bytes, spec.bytes_per_token,
+                              [n + t + 1 for n in plan.prompt_lens]) for t in range(plan.steps)]
+    prompts = make_prompts(plan.prompt_lens, settings.arch.vocab_size, settings.seed)
+    batch = new_batch(kv_cache, plan.prompt_lens, plan.steps)
+    timings = {}
+    for i, name in enumerate(strategies, 1):
+        progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
+        t = time_strategy(model, batch, prompts, plan.steps, name, settings.dtype)
+        t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
+        timings[name] = t
+        progress(f"  compile {t.compile_seconds:.1f} s; {plan.steps} steps: median "
+                 f"{t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, p90 {t.p90 * 1e3:.2f}), "
+                 f"{t.percent_of_floor:.0f}% of the bandwidth floor")
+    return DecodeReport(settings, plan, limits, mixed_lens, mixed, timings, costs,
+                        machine={**describe(settings.device), "versions": versions()},
+                        load_average={"before": load_before, "after": os.getloadavg()})
+
+
+def check_mixed_lengths(settings: Settings, model: Decoder, kv_cache: torch.Tensor,
+                        steps: int) -> tuple[list[int], Correctness]:
+    """An eager run of prompts of different lengths in one batch against the reference (they
+    are no longer than input_len, so they fit in the cache the timed runs use)."""
+    lens = prompt_lengths(settings.batch_size, settings.input_len, mixed=True)
+    prompts = make_prompts(lens, settings.arch.vocab_size, settings.seed + 1)
+    run = generate(model, new_batch(kv_cache, lens, steps), prompts, steps)
+    return lens, check_against_reference(model, prompts, run, settings.dtype)
+
+
+# --- references shown beside the measurements -----------------------------------------------
+
+def seed_reference() -> dict:
+    """The seed's decode numbers (Gemma-2B on a GPU, batch 8, input 1024, output 128)."""
+    return json.loads((DATA / "reference" / "seed.json").read_text())
+
+
+def vllm_cpu_reference(settings: Settings) -> dict | None:
+    """vLLM CPU's step times for this model, batch and input length, when recorded."""
+    runs = json.loads((DATA / "reference" / "vllm_cpu.json").read_text())["runs"]
+    return next((r for r in runs if r["model"] == settings.arch.name
+                 and r["batch_size"] == settings.batch_size
+                 and r["input_len"] == settings.input_len and settings.device == "cpu"), None)
+
+
+# --- the command ------------------------------------------------------------------------------
+
+def add_bench(bench_sub) -> None:
+    p = bench_sub.add_parser("decode", help="time decode steps per strategy against the "
+                             "bandwidth floor; writes JSON and prints a table")
+    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a setting, e.g. -p batch_size=8 -p strategies=eager,stock")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file to write (default: runs/bench/decode-<time>-<preset>.json)")
+    p.set_defaults(func=bench_decode)
+
+
+def bench_decode(args) -> int:
+    from kit.runner import parse_params
+    settings = load(args.preset, **parse_params(args.param))
+    report = run_decode(settings, progress=lambda m: print(m, flush=True))
+    out = args.out or DATA.parent / "runs" / "bench" / \
+        f"decode-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.summary(), indent=1, default=str))
+    print()
+    print(report.table())
+    cost = report.median_cost
+    print(f"floor (median step): {cost.total_bytes / 1e6:,.1f} MB / "
+          f"{report.limits.bandwidth / 1e9:,.1f} GB/s = {report.floor_seconds[len(report.costs) // 2] * 1e3:.2f} ms; "
+          f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
+          f"({cost.flops / 1e9:,.2f} GFLOP at {report.limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
+    vllm = vllm_cpu_reference(settings)
+    if vllm:
+        print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "
+              f"eager, {vllm['step_ms_compiled']} ms compiled per step")
+    print(f"load average before/after: {report.load_average['before'][0]:.1f} / "
+          f"{report.load_average['after'][0]:.1f} (a shared machine: timings are noisy)")
+    print(f"wrote {out}")
+    failed = [t.strategy for t in report.timings.values() if not t.correctness.ok]
+    if failed or not report.mixed.ok:
+        print(f"error: logits differ from the no-cache reference beyond tolerance: "
+              f"{failed or 'mixed lengths'}")
+        return 1
+    return 0

@@ -1,0 +1,152 @@
+"""The roofline of a decode step (chapter 04): what one step must move and compute, and the
+floor that the device's measured bandwidth puts under its time.
+
+A decode step feeds one new token per sequence. However it is implemented, it must
+
+    read the weights once        every linear layer's matrix, the LM head included; of the input
+                                 embedding only the rows of the batch's tokens (with tied
+                                 embeddings the LM head is that same table, read once)
+    read the cached context      for each sequence, the K and V of every token before the new one
+    write the new K and V        one token per sequence, every layer
+    write the logits             num_seqs × vocab_size
+
+    floor (s) = bytes / measured copy bandwidth (bytes read + written per second)
+
+and it computes 2 FLOPs per weight per token for the matrix products plus 4 × heads × head_dim
+per layer per attended token (scores and the weighted sum of values). The arithmetic here is
+pure Python; only the two measurements import torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kit.config import ModelConfig
+
+COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}  # each of source and destination: well past
+#                                                    the last-level cache (32 MiB L3 here, 60 MB
+#                                                    L2 on an H100/H200)
+MATMUL_SIZE = {"cpu": 2048, "cuda": 8192}
+
+
+def linear_weights(arch: ModelConfig) -> int:
+    """Elements of every matrix a token is multiplied by: projections, MLP and LM head."""
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
+        arch.num_key_value_heads * arch.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+    return arch.num_hidden_layers * per_layer + arch.vocab_size * h
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Bytes one decode step must move and FLOPs it must compute."""
+
+    num_seqs: int
+    weight_bytes: int
+    kv_read_bytes: int
+    kv_write_bytes: int
+    logits_bytes: int
+    flops: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.logits_bytes
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte moved: far below a device's FLOPs/bandwidth ratio means memory-bound."""
+        return self.flops / self.total_bytes
+
+    def floor_seconds(self, bandwidth: float) -> float:
+        return self.total_bytes / bandwidth
+
+    def summary(self) -> dict:
+        return {"num_seqs": self.num_seqs, "weight_bytes": self.weight_bytes,
+                "kv_read_bytes": self.kv_read_bytes, "kv_write_bytes": self.kv_write_bytes,
+                "logits_bytes": self.logits_bytes, "total_bytes": self.total_bytes,
+                "flops": self.flops, "arithmetic_intensity": self.arithmetic_intensity}
+
+
+def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int) -> int:
+    """Every parameter once, except that an untied input embedding is read only at the batch's
+    rows (the tied table is read whole by the LM head, already counted once)."""
+    params = arch.num_parameters()
+    if not arch.tie_word_embeddings:
+        params -= arch.vocab_size * arch.hidden_size
+    return (params + num_seqs * arch.hidden_size) * dtype_bytes
+
+
+def decode_step_cost(arch: ModelConfig, dtype_bytes: int, kv_bytes_per_token: int,
+                     context_lens: list[int]) -> StepCost:
+    """The cost of one step in which sequence i attends to `context_lens[i]` tokens, its new
+    token included (so it reads context_lens[i] - 1 cached tokens and writes one)."""
+    num_seqs, attended = len(context_lens), sum(context_lens)
+    attention_flops = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim \
+        * attended
+    return StepCost(
+        num_seqs=num_seqs,
+        weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs),
+        kv_read_bytes=(attended - num_seqs) * kv_bytes_per_token,
+        kv_write_bytes=num_seqs * kv_bytes_per_token,
+        logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
+        flops=2 * num_seqs * linear_weights(arch) + attention_flops)
+
+
+def formula(cost: StepCost, bandwidth: float) -> str:
+    """The floor written out with this step's numbers, for the notebook."""
+    mb = 1e6
+    return (f"({cost.weight_bytes / mb:,.2f} MB weights + {cost.kv_read_bytes / mb:,.2f} MB KV "
+            f"read + {cost.kv_write_bytes / mb:,.3f} MB KV written + {cost.logits_bytes / mb:,.2f}"
+            f" MB logits) / {bandwidth / 1e9:,.1f} GB/s = "
+            f"{cost.floor_seconds(bandwidth) * 1e3:,.3f} ms")
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What this device sustains, measured in this run: copy bandwidth and matmul throughput."""
+
+    device: str
+    copy_bytes: int
+    copy_seconds: float          # median of the copies
+    bandwidth: float             # bytes read + written per second
+    matmul_size: int
+    matmul_dtype: str
+    matmul_flops_per_second: float
+
+    def summary(self) -> dict:
+        return dict(self.__dict__)
+
+
+def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10):
+    """Median time of a device-to-device copy of `nbytes` (a large memcpy on the CPU), and the
+    bandwidth it implies: 2 × nbytes (read and written) / time."""
+    import torch
+
+    from kit.device import time_fn
+    nbytes = nbytes or COPY_BYTES.get(device, COPY_BYTES["cpu"])
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)  # first touched by the warm-up copies, outside the timing
+    timings = time_fn(lambda: dst.copy_(src), device, repeats=repeats, warmup=2)
+    del src, dst
+    return nbytes, timings.median, 2 * nbytes / timings.median
+
+
+def measure_matmul(device: str, dtype: str, size: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of a square matmul in `dtype`: the compute roof a step could at best reach."""
+    import torch
+
+    from kit.device import time_fn
+    from kit.model import torch_dtype
+    size = size or MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
+    a = torch.randn(size, size, device=device).to(torch_dtype(dtype))
+    b = torch.randn(size, size, device=device).to(torch_dtype(dtype))
+    timings = time_fn(lambda: a @ b, device, repeats=repeats, warmup=1)
+    return 2 * size**3 / timings.median
+
+
+def measure_limits(device: str, dtype: str) -> DeviceLimits:
+    """Both measurements, taken in the same process as the decode timings they judge."""
+    nbytes, seconds, bandwidth = measure_bandwidth(device)
+    size = MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
+    return DeviceLimits(device=device, copy_bytes=nbytes, copy_seconds=seconds,
+                        bandwidth=bandwidth, matmul_size=size, matmul_dtype=dtype,
+                        matmul_flops_per_second=measure_matmul(device, dtype, size))
