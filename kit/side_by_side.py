@@ -16,9 +16,6 @@ from kit.config import ConfigError
 from kit.kv_cache import KVCacheSpec, size_kv_cache
 from kit.vllm_bridge import VLLMKVSizing, vllm_kv_sizing
 
-# The kit's serving modes beside vLLM's: eager is eager; "compiled" is vLLM's way of compiling
-# (one guard-free torch.compile) on both sides.
-KIT_STRATEGY = {"eager": "eager", "compiled": "guard_free"}
 
 
 def device_label(device: str) -> str:
@@ -128,19 +125,38 @@ class KitDecode:
         return median(self.step_seconds) if self.step_seconds else None
 
 
-def kit_decode_step(settings, mode: str, num_blocks: int, repeats: int = 3) -> KitDecode:
-    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode`): per-step seconds
-    of the kit's paged decode of `settings.batch_size` prompts of `settings.input_len` tokens,
-    `settings.output_len` tokens each, in a cache of `num_blocks` blocks, run the `mode` way."""
-    strategy = KIT_STRATEGY[mode]
+def kit_strategy(mode: str, device: str) -> str:
+    """The kit's strategy beside vLLM's mode: eager is eager; compiled is vLLM's way of
+    compiling, one guard-free torch.compile, captured in CUDA graphs on a GPU."""
+    if mode == "eager":
+        return "eager"
+    return "cuda_graphs" if device == "cuda" else "guard_free"
+
+
+def kit_decode_step(settings, mode: str) -> KitDecode:
+    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode_bench.time_strategy`):
+    per-step seconds of the kit's paged decode of `settings.batch_size` prompts of
+    `settings.input_len` tokens, `settings.output_len - 1` decode steps after the prefill, in a
+    cache of the blocks the run needs, run the `mode` way (`kit_strategy`)."""
+    strategy = kit_strategy(mode, settings.device)
     try:
-        from kit import decode  # noqa: F401  (chapter 04)
-    except ImportError:
+        from kit.decode import (blocks_needed, kv_cache_for, make_prompts, new_batch,
+                                prompt_lengths)
+        from kit.decode_bench import time_strategy
+        from kit.model import build_model
+    except ImportError as e:
         return KitDecode(mode, strategy, [], None,
-                         error="the kit's decode timing (kit/decode.py, chapter 04) is not "
-                               "in this tree yet")
-    return KitDecode(mode, strategy, [], None,
-                     error="kit.decode is present but not wired into kit_decode_step yet")
+                         error=f"the kit's decode timing (chapter 04) is missing: {e}")
+    steps = settings.output_len - 1
+    lens = prompt_lengths(settings.batch_size, settings.input_len)
+    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
+    kv_cache = kv_cache_for(settings, blocks_needed(lens, steps, settings.block_size))
+    prompts = make_prompts(lens, settings.arch.vocab_size, settings.seed)
+    timing = time_strategy(model, new_batch(kv_cache, lens, steps), prompts, steps, strategy,
+                           settings.dtype)
+    error = None if timing.correctness is None or timing.correctness.ok else \
+        f"logits off the no-cache reference by {timing.correctness.max_error:.1e}"
+    return KitDecode(mode, strategy, timing.step_seconds, timing.compile_seconds, error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +217,7 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
     out = []
     for mode, run in runs.items():
         k = kit_decodes.get(mode)
-        out.append(DecodeComparison(mode, KIT_STRATEGY[mode], k.median if k else None,
+        out.append(DecodeComparison(mode, k.strategy if k else "-", k.median if k else None,
                                     run.decode_step_median, k.compile_seconds if k else None,
                                     run.compile_seconds, run.startup_seconds))
     return out

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -175,6 +176,9 @@ def vllm_kv_sizing(arch, budget_bytes: int, *, block_size: int, max_model_len: i
                    tensor_parallel_size: int = 1, folder: Path | None = None) -> VLLMKVSizing:
     """Ask vLLM how many blocks `budget_bytes` buys for the kit's `arch`, without an engine."""
     import tempfile
+    missing = vllm_missing()
+    if missing:
+        return VLLMKVSizing(None, block_size, None, None, None, None, error=missing)
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
         model = write_model_folder(arch, Path(folder or tmp) / arch.name)
         with captured_vllm_log([]):  # config chatter, a dozen lines per call: not shown
@@ -279,16 +283,20 @@ def phase_seconds(records, start: str, end: str) -> float | None:
 def captured_vllm_log(records: list, logging_config=None, echo: bool = False):
     """Collect vLLM's log records into `records`; silence its console handler unless `echo`.
 
-    vLLM configures its loggers once per process, at the first `LLM(...)`, which would drop a
-    handler added before; applying that configuration first (`logging_config`) keeps ours."""
+    vLLM configures its loggers once per process, at the first `LLM(...)` or engine config,
+    which would replace the handlers seen here; applying that configuration first (its default,
+    or `logging_config`) keeps ours and lets the console one be muted."""
     import vllm.logger as vlog
-    if logging_config is not None:
-        vlog.configure_logging_if_needed(logging_config)
+    from vllm.engine.arg_utils import EngineArgs
+    with contextlib.suppress(Exception):
+        vlog.configure_logging_if_needed(logging_config or EngineArgs().create_logging_config())
     for name in ("_print_debug_once", "_print_info_once", "_print_warning_once"):
         # "once" lines (the KV cache size among them) would be skipped on a second engine
         getattr(getattr(vlog, name, None), "cache_clear", lambda: None)()
     logger = logging.getLogger("vllm")
     handler = _Capture(records)
+    # vLLM's Triton shim warns about a deprecated torch.distributed name on every engine start
+    warnings.filterwarnings("ignore", message=".*reduce_op.*", category=FutureWarning)
     muted = [] if echo else [h for h in logger.handlers if isinstance(h, logging.StreamHandler)]
     levels = [h.level for h in muted]
     for h in muted:
@@ -428,14 +436,9 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
         return run
     import torch
     from vllm import LLM
-    from vllm.engine.arg_utils import EngineArgs
     llm, records = None, []
     args = engine_kwargs(model_folder, mode, **kwargs)
-    try:
-        logging_config = EngineArgs(**args).create_logging_config()
-    except Exception:
-        logging_config = None
-    with _keep_torch_threads(), captured_vllm_log(records, logging_config, echo_log):
+    with _keep_torch_threads(), captured_vllm_log(records, echo=echo_log):
         try:
             t0 = time.perf_counter()
             llm = LLM(**args)

@@ -109,11 +109,13 @@ def test_the_tiny_engine_decodes(engines):
 def test_without_vllm_the_bridge_says_so():
     """In a fresh interpreter where `import vllm` fails (as when it is not installed)."""
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from kit.vllm_bridge import run_engine, vllm_missing\n"
+            "import kit\n"
+            "from kit.vllm_bridge import run_engine, vllm_kv_sizing, vllm_missing\n"
             "r = run_engine('.', 'eager')\n"
-            "print(vllm_missing()); print(r.error)")
+            "s = vllm_kv_sizing(kit.load().arch, 2**28, block_size=128, max_model_len=1024)\n"
+            "print(vllm_missing()); print(r.error); print(s.error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("vLLM is not installed") and "setup.sh" in lines[0]
-    assert lines[1] == lines[0]
+    assert lines[1] == lines[0] == lines[2]
