@@ -1,6 +1,7 @@
 """The kit: helpers behind the notebooks of a study kit on LLM serving memory and decode speed.
 
-Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`).
+Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`),
+04 decode timing (`kit.decode`, `kit.decode_bench`, `kit.roofline`).
 Every chapter takes one `Settings` from `kit.config.load` and records through `kit.results`.
 """
 from kit.config import ConfigError, Settings, load

@@ -178,6 +178,7 @@ class Settings:
     output_len: int
     seed: int
     strategies: tuple[str, ...] | None = None  # serving strategies to run; None: all that apply
+    num_iters: int = 3  # timed runs of the whole generation per strategy (vLLM's benchmark name)
     description: str = ""
 
     def __post_init__(self):
@@ -213,7 +214,8 @@ class Settings:
 
     def _check_positive(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
-                     "tensor_parallel_size", "batch_size", "input_len", "output_len"):
+                     "tensor_parallel_size", "batch_size", "input_len", "output_len",
+                     "num_iters"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive whole number")

@@ -5,7 +5,8 @@ fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else chapter
 memory profile), measures the device's copy bandwidth and matmul throughput, checks a batch of
 mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
 (compilation, CUDA graph capture) reported apart, and a timed run of `output_len - 1` decode
-steps after the prefill, each step timed and its logits checked against the reference.
+steps after the prefill, each step timed and its logits checked against the reference;
+`num_iters` timed runs per strategy, interleaved.
 """
 from __future__ import annotations
 
@@ -35,42 +36,60 @@ GiB = 2**30
 
 @dataclass
 class StrategyTiming:
-    """One strategy's decode run: warm-up (compilation included) apart from the timed steps."""
+    """One strategy's decode runs: warm-up (compilation included) apart from the timed runs,
+    each a prefill then every decode step timed."""
 
     strategy: str
-    compile_seconds: float         # the first call of the step (compiles, or captures a graph)
-    warmup_seconds: float          # the whole warm-up run: its prefill, steps and compilation
-    prefill_seconds: float
-    step_seconds: list[float]
     num_seqs: int
-    correctness: Correctness | None = None
+    compile_seconds: float = 0.0   # the first call of the step (compiles, or captures a graph)
+    warmup_seconds: float = 0.0    # the whole warm-up run: its prefill, steps and compilation
+    graphs_compiled: int = 0       # Inductor graphs behind the runner: 1 means no recompile
+    guards: int = 0                # guards Dynamo evaluates on each call of the served code
+    runs: list[list[float]] = field(default_factory=list)   # [run][step] seconds
+    prefills: list[float] = field(default_factory=list)     # [run] seconds
+    correctness: Correctness | None = None                  # of the first timed run
     floor_seconds: list[float] = field(default_factory=list)  # per step, from the roofline
 
     @property
+    def samples(self) -> Timings:
+        """Every step of every timed run."""
+        return Timings([s for run in self.runs for s in run])
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Each step's median over the timed runs: the line to plot over the steps."""
+        return [statistics.median(times) for times in zip(*self.runs)]
+
+    @property
     def median(self) -> float:
-        return Timings(self.step_seconds).median
+        return self.samples.median
 
     @property
     def p10(self) -> float:
-        return Timings(self.step_seconds).quantile(0.1)
+        return self.samples.quantile(0.1)
 
     @property
     def p90(self) -> float:
-        return Timings(self.step_seconds).quantile(0.9)
+        return self.samples.quantile(0.9)
 
     @property
     def spread(self) -> float:
         """p90 - p10 of the step times."""
-        return Timings(self.step_seconds).spread
+        return self.samples.spread
+
+    @property
+    def prefill_seconds(self) -> float:
+        return statistics.median(self.prefills)
 
     @property
     def end_to_end_seconds(self) -> float:
-        return self.prefill_seconds + sum(self.step_seconds)
+        """Prefill plus every step, the median over the timed runs."""
+        return statistics.median(p + sum(run) for p, run in zip(self.prefills, self.runs))
 
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens (the prefill's one and each step's) per second, end to end."""
-        return self.num_seqs * (len(self.step_seconds) + 1) / self.end_to_end_seconds
+        return self.num_seqs * (len(self.runs[0]) + 1) / self.end_to_end_seconds
 
     @property
     def percent_of_floor(self) -> float | None:
@@ -83,22 +102,23 @@ class StrategyTiming:
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "compile_seconds": self.compile_seconds,
-                "warmup_seconds": self.warmup_seconds, "prefill_seconds": self.prefill_seconds,
+                "warmup_seconds": self.warmup_seconds, "graphs_compiled": self.graphs_compiled,
+                "guards": self.guards, "prefill_seconds": self.prefill_seconds,
                 "median_step_seconds": self.median, "p10_step_seconds": self.p10,
                 "p90_step_seconds": self.p90, "spread_seconds": self.spread,
                 "end_to_end_seconds": self.end_to_end_seconds,
                 "tokens_per_second": self.tokens_per_second,
                 "percent_of_floor": self.percent_of_floor, "step_seconds": self.step_seconds,
-                "floor_seconds": self.floor_seconds,
+                "floor_seconds": self.floor_seconds, "runs_step_seconds": self.runs,
+                "runs_prefill_seconds": self.prefills,
                 "correctness": self.correctness.summary() if self.correctness else None}
 
 
 @torch.no_grad()
-def time_strategy(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
-                  strategy: str, dtype: str, warmup_steps: int = 2) -> StrategyTiming:
-    """Warm `strategy` up on a throw-away run (compiling, or capturing a CUDA graph, happens
-    there and is timed apart), then time a fresh run step by step on the same tensors, and
-    check its logits against the no-cache reference."""
+def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
+            strategy: str, warmup_steps: int = 2):
+    """A throw-away run that builds `strategy`'s runner of the step (compiling, or capturing a
+    CUDA graph) and runs a few steps; returns the runner and the run's seconds."""
     from kit.compile import make_runner
     device = batch.kv_cache.device.type
     t0 = time.perf_counter()
@@ -112,13 +132,36 @@ def time_strategy(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
         batch.step(runner)
     synchronize(device)
-    warmup_seconds = time.perf_counter() - t0
-    run = generate(model, batch, prompts, steps, step=runner)
-    runner.discard()
-    return StrategyTiming(strategy=strategy, compile_seconds=runner.compile_seconds,
-                          warmup_seconds=warmup_seconds, prefill_seconds=run.prefill_seconds,
-                          step_seconds=run.step_seconds, num_seqs=len(prompts),
-                          correctness=check_against_reference(model, prompts, run, dtype))
+    return runner, time.perf_counter() - t0
+
+
+def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                    steps: int, strategies, dtype: str, num_iters: int,
+                    progress=print) -> dict[str, StrategyTiming]:
+    """Warm every strategy up, then `num_iters` rounds in which each strategy in turn runs
+    the whole generation timed, so a noisy neighbour slows every strategy alike rather than
+    whichever ran at the time. The first timed run of each is checked against the reference."""
+    runners, timings = {}, {}
+    for i, name in enumerate(strategies, 1):
+        progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
+        runner, seconds = warm_up(model, batch, prompts, steps, name)
+        runners[name] = runner
+        timings[name] = StrategyTiming(name, len(prompts), runner.compile_seconds, seconds,
+                                       runner.graphs_compiled, sum(runner.guards()[:1]))
+        progress(f"  first call {runner.compile_seconds:.2f} s, warm-up run {seconds:.2f} s")
+    for round_ in range(num_iters):
+        progress(f"timed run {round_ + 1}/{num_iters}: "
+                 f"{', '.join(strategies)}, {steps} steps each ...")
+        for name, runner in runners.items():
+            run = generate(model, batch, prompts, steps, step=runner,
+                           keep_logits=round_ == 0)
+            timings[name].runs.append(run.step_seconds)
+            timings[name].prefills.append(run.prefill_seconds)
+            if round_ == 0:
+                timings[name].correctness = check_against_reference(model, prompts, run, dtype)
+    for runner in runners.values():
+        runner.discard()
+    return timings
 
 
 # --- checking the request before anything heavy ---------------------------------------------
@@ -242,6 +285,7 @@ class DecodeReport:
 
     def table(self) -> Table:
         rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
+                 "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
                  "median ms": f"{t.median * 1e3:.2f}",
                  "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
                  "end to end s": f"{t.end_to_end_seconds:.3f}",
@@ -278,15 +322,12 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
                               [n + t + 1 for n in plan.prompt_lens]) for t in range(plan.steps)]
     prompts = make_prompts(plan.prompt_lens, settings.arch.vocab_size, settings.seed)
     batch = new_batch(kv_cache, plan.prompt_lens, plan.steps)
-    timings = {}
-    for i, name in enumerate(strategies, 1):
-        progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
-        t = time_strategy(model, batch, prompts, plan.steps, name, settings.dtype)
+    timings = time_strategies(model, batch, prompts, plan.steps, strategies, settings.dtype,
+                              settings.num_iters, progress)
+    for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
-        timings[name] = t
-        progress(f"  compile {t.compile_seconds:.1f} s; {plan.steps} steps: median "
-                 f"{t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, p90 {t.p90 * 1e3:.2f}), "
-                 f"{t.percent_of_floor:.0f}% of the bandwidth floor")
+        progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
+                 f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
     return DecodeReport(settings, plan, limits, mixed_lens, mixed, timings, costs,
                         machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()})
@@ -325,6 +366,8 @@ def add_bench(bench_sub) -> None:
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                    help="override a setting, e.g. -p batch_size=8 -p strategies=eager,stock")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's); 1 is steadier on a busy machine")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file to write (default: runs/bench/decode-<time>-<preset>.json)")
     p.set_defaults(func=bench_decode)
@@ -333,6 +376,8 @@ def add_bench(bench_sub) -> None:
 def bench_decode(args) -> int:
     from kit.runner import parse_params
     settings = load(args.preset, **parse_params(args.param))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = run_decode(settings, progress=lambda m: print(m, flush=True))
     out = args.out or DATA.parent / "runs" / "bench" / \
         f"decode-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}.json"

@@ -62,6 +62,43 @@ def measured_vs_published(rows: list[tuple[str, float, float]], title: str) -> g
     return fig
 
 
+def step_latency(timings: dict, floor_seconds: list[float]) -> go.Figure:
+    """Each decode step's time (its median over the timed runs), one line per strategy, with
+    the bandwidth floor beneath."""
+    fig = go.Figure()
+    for name, t in timings.items():
+        fig.add_scatter(x=list(range(1, len(t.step_seconds) + 1)),
+                        y=[s * 1e3 for s in t.step_seconds], name=name, mode="lines+markers",
+                        hovertemplate="step %{x}: %{y:.3f} ms<extra>" + name + "</extra>")
+    fig.add_scatter(x=list(range(1, len(floor_seconds) + 1)), y=[s * 1e3 for s in floor_seconds],
+                    name="bandwidth floor", mode="lines", line={"dash": "dash", "color": "black"})
+    fig.update_layout(xaxis_title="decode step", yaxis_title="ms", yaxis_rangemode="tozero",
+                      title="Per-step latency (warm-up and compilation excluded)")
+    return fig
+
+
+def step_box(timings: dict) -> go.Figure:
+    """The spread of step times per strategy: every step of every timed run."""
+    fig = go.Figure()
+    for name, t in timings.items():
+        fig.add_box(y=[s * 1e3 for s in t.samples.seconds], name=name, boxpoints="all")
+    fig.update_layout(yaxis_title="ms per decode step", yaxis_rangemode="tozero",
+                      title="Step time distribution per strategy", showlegend=False)
+    return fig
+
+
+def floor_percent(timings: dict) -> go.Figure:
+    """Bandwidth floor as % of each strategy's step time (100% = as fast as a plain copy)."""
+    names = list(timings)
+    values = [timings[n].percent_of_floor for n in names]
+    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
+                           marker_color=COLORS["KV cache"]))
+    fig.add_hline(y=100, line_dash="dash", annotation_text="the floor")
+    fig.update_layout(yaxis_title="% of the bandwidth floor (median step)",
+                      title="How close each strategy gets to the memory-bandwidth limit")
+    return fig
+
+
 def fmt_bytes(n) -> str:
     if n is None:
         return "n/a"

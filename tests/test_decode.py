@@ -1,0 +1,182 @@
+"""Chapter 04: paged decode against the no-cache reference, the roofline arithmetic, bad input."""
+import json
+
+import pytest
+import torch
+
+import kit
+from kit.cli import main
+from kit.config import DTYPE_BYTES, ConfigError, ModelConfig
+from kit.decode import (TOLERANCE, blocks_needed, check_against_reference, generate,
+                        make_prompts, new_batch, step_function)
+from kit.decode_bench import check_request, early_plan, run_decode
+from kit.kv_cache import KVCacheSpec, allocate
+from kit.model import build_model
+from kit.roofline import decode_step_cost, weight_bytes_per_step
+
+
+def arch(heads, kv_heads, family="llama", **extra):
+    return ModelConfig.from_dict({
+        "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 16,
+        "vocab_size": 101, "max_position_embeddings": 256, **extra}, f"{family}-{heads}-{kv_heads}")
+
+
+ARCHS = {"gqa": arch(4, 2), "mqa": arch(4, 1), "mqa-gemma-tied": arch(
+    4, 1, "gemma", tie_word_embeddings=True, hidden_act="gelu"), "mha-qwen2-bias": arch(4, 4, "qwen2")}
+BLOCK_SIZE = 4
+LENGTHS = [3, 4, 5, 9]  # ending before, on and after block edges
+STEPS = 7               # every sequence crosses at least one more block edge while decoding
+
+
+def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3):
+    model = build_model(a, dtype, "cpu", seed=0)
+    spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
+                       head_dim=a.head_dim, block_size=BLOCK_SIZE, dtype_bytes=DTYPE_BYTES[dtype])
+    cache = allocate(spec, blocks_needed(lengths, steps, BLOCK_SIZE) + spare_blocks, dtype, "cpu")
+    prompts = make_prompts(lengths, a.vocab_size, seed=1)
+    batch = new_batch(cache, lengths, steps)
+    run = generate(model, batch, prompts, steps)
+    return model, prompts, batch, run
+
+
+@pytest.mark.parametrize("key", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_decode_equals_the_no_cache_reference(key, dtype):
+    model, prompts, batch, run = paged_run(ARCHS[key], dtype)
+    result = check_against_reference(model, prompts, run, dtype)
+    assert len(result.errors) == STEPS + 1
+    assert result.ok, result.errors
+    assert result.token_agreement > 0.9
+    if dtype == "float32":
+        assert result.max_error < 1e-5
+
+
+def test_the_blocks_really_are_paged():
+    """Sequences decode in turn, so the blocks they open interleave: reading a sequence's
+    context needs its table, not a contiguous range."""
+    _, _, batch, _ = paged_run(ARCHS["gqa"], "float32")
+    tables = batch.allocator.tables
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in tables.values())
+    for i, n in enumerate(LENGTHS):
+        assert batch.allocator.lengths[i] == n + STEPS
+        assert batch.block_tables[i, :len(tables[i])].tolist() == tables[i]
+
+
+def test_a_wrong_context_length_is_caught():
+    """The comparison fails for a step that puts each token one position early (so the check
+    can fail)."""
+    a = ARCHS["gqa"]
+    model, prompts, batch, run = paged_run(a, "float32")
+    good = step_function(model)
+
+    def short(input_ids, positions, block_tables, kv_cache):
+        return good(input_ids, positions - 1, block_tables, kv_cache)
+    broken = generate(model, batch, prompts, STEPS, step=short)
+    assert not check_against_reference(model, prompts, broken, "float32").ok
+
+
+def test_stale_blocks_do_not_leak_into_a_new_run():
+    """A second run on the same cache and tensors (as every strategy's timed run is) gives
+    the same logits as the first, whatever the first left in the blocks."""
+    model, prompts, batch, first = paged_run(ARCHS["mqa"], "float32")
+    again = generate(model, batch, prompts, STEPS)
+    torch.testing.assert_close(again.logits, first.logits)
+
+
+def test_tolerances_order_by_precision():
+    assert TOLERANCE["float32"] < TOLERANCE["float16"] < TOLERANCE["bfloat16"] <= 0.05
+
+
+def test_roofline_bytes_and_flops_by_hand():
+    a = ModelConfig.from_dict({
+        "model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}, "hand")
+    # embed 10×8 = 80; per layer q 64 + k 32 + v 32 + o 64 + MLP 3×8×16 = 384 + norms 16 = 592;
+    # final norm 8; LM head 80.
+    assert a.num_parameters() == 80 + 2 * 592 + 8 + 80 == 1352
+    kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V × layers × KV heads × head_dim × 2 bytes = 32
+    cost = decode_step_cost(a, 2, kv_per_token, [3, 5])
+    assert cost.weight_bytes == (1352 - 80 + 2 * 8) * 2 == 2576  # embedding: only 2 rows
+    assert cost.kv_read_bytes == (2 + 4) * 32                     # the tokens before the new ones
+    assert cost.kv_write_bytes == 2 * 32
+    assert cost.logits_bytes == 2 * 10 * 2
+    assert cost.total_bytes == 2576 + 192 + 64 + 40 == 2872
+    # 2 FLOPs × 2 tokens × (2 × (64 + 32 + 32 + 64 + 384) + LM head 80) + attention
+    # 4 × 2 layers × 2 heads × 4 head_dim × (3 + 5) attended tokens
+    assert cost.flops == 2 * 2 * (2 * 576 + 80) + 4 * 2 * 2 * 4 * 8 == 5440
+    assert cost.floor_seconds(2872e3) == pytest.approx(1e-3)
+
+
+def test_tied_embeddings_are_read_once():
+    a = ModelConfig.from_dict({
+        "model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10,
+        "tie_word_embeddings": True}, "hand-tied")
+    assert weight_bytes_per_step(a, 2, 2) == (80 + 2 * 592 + 8 + 2 * 8) * 2
+
+
+def test_roofline_weights_match_the_model_for_a_real_shape():
+    s = kit.load("cpu-small")
+    model = build_model(s.arch, s.dtype, "cpu")
+    untied_embedding = model.embed_tokens.weight.numel() * 2
+    assert weight_bytes_per_step(s.arch, 2, 0) == \
+        sum(p.numel() * 2 for p in model.parameters()) - untied_embedding
+
+
+def test_too_many_tokens_for_the_cache_says_how_many_blocks_are_missing():
+    # tiny: 2 × 4 layers × 4 KV heads × 32 × 2 bytes = 2048 B per token, 32 KiB per block of 16.
+    # 4 sequences of 64 + 15 tokens need 5 blocks each: 20 blocks; the budget holds 10.
+    s = kit.load("cpu-small", kv_cache_memory_bytes=10 * 32768)
+    with pytest.raises(ConfigError, match="needs 20 KV cache blocks.*holds 10: 10 blocks missing"):
+        early_plan(s)
+    with pytest.raises(ConfigError, match="10 blocks missing"):
+        run_decode(s, progress=lambda m: None)
+
+
+def test_the_largest_possible_cache_is_checked_before_loading_anything():
+    s = kit.load("cpu-small", device_memory="45MB")  # 0.9 × 45 MB < 40.6 MB of weights
+    with pytest.raises(ConfigError, match="holds 0: 20 blocks missing"):
+        early_plan(s)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_size": 9}, "batch_size=9 is above max_num_seqs=8"),
+    ({"input_len": 1000, "output_len": 100}, "exceeds max_model_len=1024"),
+    ({"strategies": ["eager", "fast"]}, r"unknown strategies \['fast'\].*'guard_free'"),
+    ({"strategies": "cuda_graphs"}, "cannot run on device='cpu'"),
+])
+def test_bad_settings_are_refused_with_what_to_change(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        kit.load("cpu-small", **overrides)
+
+
+def test_decode_needs_a_step_and_one_device():
+    with pytest.raises(ConfigError, match="output_len of 2 or more"):
+        check_request(kit.load("cpu-small", output_len=1))
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8'"):
+        check_request(kit.load("cpu-small", kv_cache_dtype="fp8"))
+
+
+def test_strategies_setting_accepts_lists_and_strings():
+    assert kit.load("cpu-small", strategies="eager, guard_free").strategies == \
+        ("eager", "guard_free")
+    assert kit.load("cpu-small").strategies is None
+
+
+def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code = main(["bench", "decode", "-p", "strategies=eager", "-p", "output_len=4",
+                 "-p", "kv_cache_memory_bytes=64MiB", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    eager = report["strategies"]["eager"]
+    assert len(eager["step_seconds"]) == 3 == len(eager["floor_seconds"])
+    assert eager["correctness"]["ok"] and report["mixed_lengths"]["ok"]
+    assert report["limits"]["bandwidth"] > 0 and report["median_step_cost"]["total_bytes"] > 0
+    assert "% of floor" in capsys.readouterr().out
+
+
+def test_bench_refuses_an_unknown_strategy(capsys):
+    assert main(["bench", "decode", "-p", "strategies=warp_speed"]) == 2
+    assert "known:" in capsys.readouterr().err
