@@ -3,7 +3,7 @@
 - KV blocks: the kit's arithmetic (`kit.kv_cache`) against vLLM's own KV cache code
   (`kit.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and cache
   dtype; and against a started engine for the chapter's model.
-- Decode step time: the kit's decode loop (`kit_decode_step`, chapter 04's `kit.decode`) against
+- Decode step time: the kit's decode loop (`kit_decode_steps`, chapter 04's `kit.decode_bench`) against
   vLLM's engine loop (`kit.vllm_bridge.run_settings`), eager and compiled.
 """
 from __future__ import annotations
@@ -133,30 +133,39 @@ def kit_strategy(mode: str, device: str) -> str:
     return "cuda_graphs" if device == "cuda" else "guard_free"
 
 
-def kit_decode_step(settings, mode: str) -> KitDecode:
-    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode_bench.time_strategy`):
-    per-step seconds of the kit's paged decode of `settings.batch_size` prompts of
-    `settings.input_len` tokens, `settings.output_len - 1` decode steps after the prefill, in a
-    cache of the blocks the run needs, run the `mode` way (`kit_strategy`)."""
-    strategy = kit_strategy(mode, settings.device)
+def kit_decode_steps(settings, modes=("eager", "compiled"),
+                     decode_steps: int = 90) -> dict[str, KitDecode]:
+    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode_bench`): per-step
+    seconds of the kit's paged decode of `settings.batch_size` prompts of `settings.input_len`
+    tokens, `settings.output_len - 1` decode steps after the prefill, in a cache of the blocks
+    the run needs, for each mode's strategy (`kit_strategy`). After a warm-up (compilation)
+    per strategy, the strategies take turns over whole generations until about `decode_steps`
+    steps each are timed, so a noisy neighbour slows them alike."""
+    strategies = {mode: kit_strategy(mode, settings.device) for mode in modes}
     try:
         from kit.decode import (blocks_needed, kv_cache_for, make_prompts, new_batch,
                                 prompt_lengths)
-        from kit.decode_bench import time_strategy
+        from kit.decode_bench import time_strategies
         from kit.model import build_model
     except ImportError as e:
-        return KitDecode(mode, strategy, [], None,
-                         error=f"the kit's decode timing (chapter 04) is missing: {e}")
+        return {mode: KitDecode(mode, s, [], None, error=f"the kit's decode timing (chapter 04) "
+                                f"is missing: {e}") for mode, s in strategies.items()}
     steps = settings.output_len - 1
     lens = prompt_lengths(settings.batch_size, settings.input_len)
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
     kv_cache = kv_cache_for(settings, blocks_needed(lens, steps, settings.block_size))
     prompts = make_prompts(lens, settings.arch.vocab_size, settings.seed)
-    timing = time_strategy(model, new_batch(kv_cache, lens, steps), prompts, steps, strategy,
-                           settings.dtype)
-    error = None if timing.correctness is None or timing.correctness.ok else \
-        f"logits off the no-cache reference by {timing.correctness.max_error:.1e}"
-    return KitDecode(mode, strategy, timing.step_seconds, timing.compile_seconds, error)
+    timings = time_strategies(model, new_batch(kv_cache, lens, steps), prompts, steps,
+                              list(strategies.values()), settings.dtype,
+                              num_iters=max(2, -(-decode_steps // max(1, steps))),
+                              progress=lambda *_: None)
+    out = {}
+    for mode, strategy in strategies.items():
+        t = timings[strategy]
+        error = None if t.correctness is None or t.correctness.ok else \
+            f"logits off the no-cache reference by {t.correctness.max_error:.1e}"
+        out[mode] = KitDecode(mode, strategy, t.samples.seconds, t.compile_seconds, error)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

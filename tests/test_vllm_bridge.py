@@ -119,3 +119,13 @@ def test_without_vllm_the_bridge_says_so():
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("vLLM is not installed") and "setup.sh" in lines[0]
     assert lines[1] == lines[0] == lines[2]
+
+
+def test_the_kits_decode_plugs_in():
+    """The kit's side of the decode comparison: chapter 04's timing, same batch shape."""
+    from kit.side_by_side import kit_decode_steps
+    settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
+    (eager,) = kit_decode_steps(settings, ("eager",), decode_steps=8).values()
+    assert eager.strategy == "eager" and eager.error is None
+    assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
+    assert all(s > 0 for s in eager.step_seconds)
