@@ -90,6 +90,9 @@ def _fail_message(e: BaseException) -> str:
     if "not supported" in text or "architecture" in text.lower():
         return (f"vLLM cannot run this model: {text}. Use a Llama, Mistral, Qwen2 or Gemma "
                 "config (data/models/).")
+    if "block size" in text.lower():
+        return (f"vLLM refused the block size: {text}. Its CPU attention takes multiples of 32 "
+                "(128 by default); give block_size=32, 64 or 128.")
     if "memory" in text.lower():
         return (f"vLLM refused the memory settings: {text}. Give it a larger "
                 "kv_cache_memory_bytes or a smaller max_model_len.")
