@@ -346,8 +346,9 @@ def _read_engine(llm, run: EngineRun, records: list) -> None:
     run.cudagraph_mode = getattr(comp.cudagraph_mode, "name", str(comp.cudagraph_mode))
     # On a GPU vLLM times torch.compile itself; on the CPU (mode DYNAMO_TRACE_ONCE) it compiles
     # during the warm-up it logs, so the warm-up's span is the compile time.
-    run.compile_seconds = comp.compilation_time or phase_seconds(
-        records, "Warming up model for the compilation", "Warming up done")
+    run.compile_seconds = 0.0 if run.compilation_mode == "NONE" else (
+        comp.compilation_time or phase_seconds(records, "Warming up model for the compilation",
+                                                "Warming up done"))
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process client
     if core is not None:
         # the engine's own layer specs, beside those `layer_specs` builds without an engine

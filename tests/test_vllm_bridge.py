@@ -129,3 +129,13 @@ def test_the_kits_decode_plugs_in():
     assert eager.strategy == "eager" and eager.error is None
     assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
     assert all(s > 0 for s in eager.step_seconds)
+
+
+def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
+    from kit.vllm_bridge import write_model_folder
+    if kit.load().device != "cpu":
+        pytest.skip("vLLM's CPU attention is the one that takes multiples of 32 only")
+    folder = write_model_folder(kit.config.ModelConfig.load("tiny"), tmp_path / "tiny")
+    run = run_engine(folder, "eager", block_size=16, max_model_len=1024, max_num_seqs=4,
+                     max_num_batched_tokens=1024, dtype="bfloat16", kv_cache_memory_bytes=2**26)
+    assert not run.ok and "multiples of 32" in run.error and "Traceback" not in run.error
