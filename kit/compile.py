@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import types
+import weakref
 
 import torch
 
@@ -65,9 +66,13 @@ def fresh_function(fn):
     return (types.MethodType(copy, owner) if owner is not None else copy), copy
 
 
+def as_dims(dims) -> tuple:
+    return (dims,) if isinstance(dims, int) else tuple(dims)
+
+
 def mark_dynamic(args: tuple, dynamic_dims: dict) -> None:
     for index, dims in dynamic_dims.items():
-        torch._dynamo.mark_dynamic(args[index], dims)
+        torch._dynamo.mark_dynamic(args[index], list(as_dims(dims)))
 
 
 def drop_all_guards(entries):
@@ -134,16 +139,40 @@ class Compiled(Runner):
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
+        self.inductor_config = {}  # Inductor settings patched in while compiling (make_runner)
+        self._capture = None
         options = {"guard_filter_fn": self.guard_filter_fn} if self.guard_filter_fn else None
         self.compiled = torch.compile(self.fn, backend=self._backend, fullgraph=True,
                                       options=options)
         self.first = True  # the next call is a first compilation: mark the dynamic dims
 
     def _backend(self, gm, example_inputs):
+        """Inductor, as backend="inductor" runs it, keeping each compiled graph so that it can
+        also be called directly, without Dynamo in front (see `direct_call`)."""
         from torch._inductor.compile_fx import compile_fx
-        graph = compile_fx(gm, example_inputs)
+        with torch._inductor.config.patch(self.inductor_config):
+            graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
-        return graph
+
+        def call(*args):  # Dynamo's transformed code calls the graph with flat inputs
+            if self._capture is not None:  # one call's inputs, kept for `direct_call`
+                self._capture.append((graph, args))
+            return graph(*args)
+        return call
+
+    def direct_call(self, *args):
+        """A zero-argument callable running the compiled graph that serves `args` directly,
+        with the inputs Dynamo hands it (the arguments, flattened with the parameters and the
+        symbolic sizes): the same work as `self(*args)` minus Dynamo's per-call cost."""
+        self._capture = []
+        try:
+            self(*args)
+        finally:
+            captured, self._capture = self._capture, None
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one compiled graph per call, saw {len(captured)}")
+        graph, inputs = captured[0]
+        return lambda: graph(*inputs)
 
     @property
     def graphs_compiled(self) -> int:
@@ -188,7 +217,13 @@ class BytecodeHook(Compiled):
                 f"which torch {torch.__version__} lacks; use guard_free")
         super().__init__(fn, device, dynamic_dims)
         self.dispatch = None
-        self._handle = hook(self._on_bytecode)
+        me = weakref.ref(self)  # the hook registry is global: it must not keep runners alive
+
+        def on_bytecode(old_code, new_code):
+            runner = me()
+            if runner is not None:
+                runner._on_bytecode(old_code, new_code)
+        weakref.finalize(self, hook(on_bytecode).remove)
 
     def _on_bytecode(self, old_code, new_code):
         if old_code is self.code:  # our copy alone: other runners' code is not ours
@@ -208,21 +243,19 @@ class BytecodeHook(Compiled):
         super().discard()
         self.dispatch = None
 
-    def __del__(self):
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.remove()
+
+def capture_sizes_up_to(largest: int) -> list[int]:
+    """vLLM's decode batch sizes to capture, up to and including `largest`."""
+    return [s for s in DEFAULT_CAPTURE_SIZES if s < largest] + [largest]
 
 
 class CUDAGraphs(Runner):
-    """One CUDA graph per decode batch size over the guard-free compiled step; a call is
-    padded to the next captured size. Larger batches run the compiled step without a graph.
-
-    Arguments with a dynamic batch dimension (dimension 0 in `dynamic_dims`) are copied into
-    static buffers before each replay; every other tensor argument (a KV cache, or a decode
-    step's persistent input buffers) is captured where it lies, and later calls must pass that
-    same tensor. Padding rows run too: a step that writes state (a KV cache) should be captured
-    at exactly the sizes it is called with."""
+    """One CUDA graph per decode batch size over the guard-free compiled step. The arguments
+    named in `dynamic_dims` are batched along dimension 0: a call copies them into static
+    buffers padded (with zeros) to the next captured size and replays that size's graph. The
+    other arguments (a KV cache, say) are captured as they are and must be the same tensors on
+    every call. Batches beyond the largest size run the compiled step without a graph.
+    Outputs are views of the graph's buffers: use them before the next call, as vLLM does."""
 
     strategy = "cuda_graphs"
 
@@ -230,40 +263,41 @@ class CUDAGraphs(Runner):
         if device != "cuda":
             raise ConfigError(f"cuda_graphs needs a CUDA device (device={device!r}); "
                               f"on this machine use one of {list(SERVING_STRATEGIES[:-1])}")
+        if any(as_dims(d) != (0,) for d in dynamic_dims.values()):
+            raise ConfigError("cuda_graphs pads the batch along dimension 0 only: give "
+                              "dynamic_dims as {argument index: 0}")
         super().__init__(fn, device)
         self.inner = GuardFree(fn, device, dynamic_dims)
         self.code = self.inner.code
-        self.batch_args = sorted(i for i, dims in dynamic_dims.items() if 0 in dims)
+        self.batched = sorted(dynamic_dims)
         self.capture_sizes = sorted(capture_sizes)
-        self.graphs, self.static_args, self.static_out = {}, None, {}
-        self.pool = None
+        self.graphs, self.static_out, self.pool = {}, {}, None
+        self.static_args = None
 
     @property
     def graphs_compiled(self) -> int:
         return self.inner.graphs_compiled
 
-    def _args_at(self, size: int) -> list:
-        return [a[:size] if i in self.batch_args else a for i, a in enumerate(self.static_args)]
+    def _args_for(self, size: int) -> tuple:
+        return tuple(a[:size] if i in self.batched else a for i, a in enumerate(self.static_args))
 
     def warm(self, example_args: tuple) -> "Runner":
         t0 = time.perf_counter()
         self.inner(*example_args)  # compile once, batch dimension dynamic
         largest = self.capture_sizes[-1]
-        self.static_args = list(example_args)
-        for i in self.batch_args:
-            a = example_args[i]
-            self.static_args[i] = torch.zeros((largest,) + tuple(a.shape[1:]), dtype=a.dtype,
-                                              device=a.device)
+        self.static_args = tuple(
+            a.new_zeros((largest,) + tuple(a.shape[1:])) if i in self.batched else a
+            for i, a in enumerate(example_args))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in self.capture_sizes:  # warm each size outside capture (autotuning)
-                self.inner(*self._args_at(size))
+            for size in self.capture_sizes:  # each size once outside capture (Triton's JIT)
+                self.inner(*self._args_for(size))
         torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.capture_sizes):  # largest first, so smaller ones share its pool
+        for size in reversed(self.capture_sizes):  # largest first; the others share its pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.static_out[size] = self.inner(*self._args_at(size))
+                self.static_out[size] = self.inner(*self._args_for(size))
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -273,27 +307,25 @@ class CUDAGraphs(Runner):
     def size_for(self, batch: int) -> int | None:
         return next((s for s in self.capture_sizes if s >= batch), None)
 
-    def _check(self, args) -> None:
-        for i, (a, static) in enumerate(zip(args, self.static_args)):
-            if i in self.batch_args and a.shape[1:] != static.shape[1:]:
-                raise ConfigError(f"cuda_graphs captured argument {i} of shape [batch, "
-                                  f"{list(static.shape[1:])}], got {list(a.shape)}")
-            if i not in self.batch_args and isinstance(a, torch.Tensor) and \
-                    a.data_ptr() != static.data_ptr():
-                raise ConfigError(f"cuda_graphs captured argument {i} in place: pass the same "
-                                  "tensor on every call")
-
     def __call__(self, *args):
-        self._check(args)
-        batch = args[self.batch_args[0]].shape[0] if self.batch_args else self.capture_sizes[-1]
+        # With no batched argument (a decode step on its own persistent buffers), every call
+        # is the one captured size.
+        batch = args[self.batched[0]].shape[0] if self.batched else self.capture_sizes[-1]
         size = self.size_for(batch)
         if size is None:
             return self.inner(*args)
-        for i in self.batch_args:
-            self.static_args[i][:batch].copy_(args[i])
-            self.static_args[i][batch:size].zero_()  # padding rows: any valid token id
+        for i, (arg, static) in enumerate(zip(args, self.static_args)):
+            if i in self.batched:
+                if arg.shape[1:] != static.shape[1:]:
+                    raise ConfigError(f"cuda_graphs captured argument {i} as [batch, "
+                                      f"{list(static.shape[1:])}], got {list(arg.shape)}")
+                static[:batch].copy_(arg)
+                static[batch:size].zero_()  # padding rows: token 0, position 0, block 0
+            elif arg is not static:
+                raise ConfigError(f"cuda_graphs: argument {i} must be the tensor captured")
         self.graphs[size].replay()
-        return self.static_out[size][:batch]
+        out = self.static_out[size]
+        return out[:batch] if torch.is_tensor(out) else type(out)(o[:batch] for o in out)
 
     def discard(self) -> None:
         self.graphs, self.static_out, self.pool = {}, {}, None
@@ -301,12 +333,14 @@ class CUDAGraphs(Runner):
 
 
 def make_runner(fn, strategy: str, device: str, example_args: tuple,
-                dynamic_dims: dict | None = None, capture_sizes=None) -> Runner:
+                dynamic_dims: dict | None = None, capture_sizes=None,
+                inductor_config: dict | None = None) -> Runner:
     """`fn` run by `strategy` (one of SERVING_STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
     index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
-    to the example's batch size)."""
+    to the example's batch size). `inductor_config` patches Inductor's settings while it
+    compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on the CPU)."""
     check_strategy(strategy)
     dims = DEFAULT_DYNAMIC_DIMS if dynamic_dims is None else dynamic_dims
     if strategy == "eager":
@@ -318,7 +352,9 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     elif strategy == "bytecode_hook":
         runner = BytecodeHook(fn, device, dims)
     else:
-        batch = example_args[0].shape[0]
-        sizes = capture_sizes or [s for s in DEFAULT_CAPTURE_SIZES if s < batch] + [batch]
-        runner = CUDAGraphs(fn, device, dims, sizes)
+        batch = example_args[min(dims, default=0)].shape[0]
+        runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch))
+    compiled = getattr(runner, "inner", runner)
+    if inductor_config and isinstance(compiled, Compiled):
+        compiled.inductor_config = dict(inductor_config)
     return runner.warm(tuple(example_args))

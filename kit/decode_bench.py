@@ -32,6 +32,11 @@ from kit.plots import Table
 from kit.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
 
 GiB = 2**30
+# On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
+# prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers. At a decode
+# batch a plain bf16 matmul reached about half the copy bandwidth here, a prepacked one about
+# twice that. (The frozen copy costs one more copy of the weights while the runner lives.)
+CPU_FREEZING = {"freezing": True}
 
 
 @dataclass
@@ -127,7 +132,8 @@ def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], step
     # Shapes are fixed by the batch (nothing marked dynamic); a CUDA graph is captured for
     # exactly this batch size, on the batch's own tensors, so no padded row ever writes.
     runner = make_runner(step_function(model), strategy, device, batch.step_args(),
-                         dynamic_dims={}, capture_sizes=[len(prompts)])
+                         dynamic_dims={}, capture_sizes=[len(prompts)],
+                         inductor_config=CPU_FREEZING if device == "cpu" else None)
     batch.positions.add_(1)  # the runner's first call was the step at these positions
     for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
         batch.step(runner)
@@ -360,9 +366,11 @@ def vllm_cpu_reference(settings: Settings) -> dict | None:
 
 # --- the command ------------------------------------------------------------------------------
 
-def add_bench(bench_sub) -> None:
-    p = bench_sub.add_parser("decode", help="time decode steps per strategy against the "
-                             "bandwidth floor; writes JSON and prints a table")
+def add_cli(sub) -> None:
+    from kit.cli import bench_commands
+    p = bench_commands(sub).add_parser(
+        "decode", help="time decode steps per strategy against the bandwidth floor; writes "
+        "JSON and prints a table")
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                    help="override a setting, e.g. -p batch_size=8 -p strategies=eager,stock")

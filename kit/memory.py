@@ -138,16 +138,24 @@ def _cuda_usage() -> tuple[int, int]:
     return total - free, torch.cuda.memory_reserved()
 
 
+def profile_batch(settings: Settings) -> torch.Tensor:
+    """The profiling run's input ids: max_num_batched_tokens over up to max_num_seqs sequences."""
+    return dummy_batch(settings.max_num_batched_tokens, settings.max_num_seqs,
+                       settings.arch.vocab_size, settings.device, settings.seed)
+
+
 def profile_run(model: Decoder, settings: Settings, strategy: str, weights: int,
-                before=None) -> MemoryProfile:
-    """Profile one forward of `model` at max_num_batched_tokens, eager or compiled."""
-    if strategy not in STRATEGIES:
+                before=None, step=None) -> MemoryProfile:
+    """Profile one forward of `model` at max_num_batched_tokens, eager or compiled. `step`
+    (chapter 03) profiles that callable instead, already warmed up by the caller (e.g. one of
+    kit.compile's runners); `strategy` then only names the result."""
+    if step is None and strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r}: use one of {STRATEGIES}")
     device = settings.device
-    ids = dummy_batch(settings.max_num_batched_tokens, settings.max_num_seqs,
-                      settings.arch.vocab_size, device, settings.seed)
-    step, compile_s = model.forward, 0.0
-    if strategy == "compiled":
+    ids = profile_batch(settings)
+    compile_s, given = 0.0, step is not None
+    step = step if given else model.forward
+    if strategy == "compiled" and not given:
         step = torch.compile(model.forward)
         t = time.perf_counter()
         _profile_step(model, step, ids)  # compile outside the measurement, as a warm-up

@@ -99,6 +99,54 @@ def floor_percent(timings: dict) -> go.Figure:
     return fig
 
 
+def strategy_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
+                  fmt: str = "{:,.2f}") -> go.Figure:
+    """One bar per strategy of `row[key] * scale` (chapter 03); strategies without the value
+    (not run here, or not applicable) are named on the axis with an empty bar."""
+    names = [r["name"] for r in rows]
+    values = [None if r.get(key) is None else r[key] * scale for r in rows]
+    fig = go.Figure(go.Bar(x=names, y=values,
+                           text=["n/a" if v is None else fmt.format(v) for v in values]))
+    fig.update_layout(title=title, yaxis_title=yaxis)
+    return fig
+
+
+def per_call_bars(rows: list[dict]) -> go.Figure:
+    """Per-call time at decode shape through each strategy, beside the same compiled graph
+    called directly (the gap is Dynamo's per-call cost), in µs."""
+    rows = [r for r in rows if r.get("forward_seconds") is not None]
+    names = [r["name"] for r in rows]
+    fig = go.Figure()
+    fig.add_bar(name="through the strategy", x=names, y=[r["forward_seconds"] * 1e6 for r in rows])
+    fig.add_bar(name="compiled graph called directly", x=names,
+                y=[None if r["direct_seconds"] is None else r["direct_seconds"] * 1e6
+                   for r in rows])
+    fig.update_layout(barmode="group", yaxis_title="µs per forward (median)",
+                      title="One forward at decode shape")
+    return fig
+
+
+def guard_bars(rows: list[dict]) -> go.Figure:
+    """Guards on the served code, stacked by cache entry (newest at the bottom)."""
+    rows = [r for r in rows if r.get("guards_total") is not None]
+    fig = go.Figure()
+    for i in range(max([len(r["guards"]) for r in rows] + [0])):
+        fig.add_bar(name=f"cache entry {i + 1}", x=[r["name"] for r in rows],
+                    y=[r["guards"][i] if i < len(r["guards"]) else 0 for r in rows])
+    fig.update_layout(barmode="stack", yaxis_title="guards",
+                      title="Guards Dynamo keeps on the served code, per cache entry")
+    return fig
+
+
+def batch_size_trace(sizes: list[int]) -> go.Figure:
+    """The decode batch size of each step of the serving trace."""
+    fig = go.Figure(go.Scatter(x=list(range(len(sizes))), y=sizes, mode="lines+markers",
+                               line_shape="hv"))
+    fig.update_layout(xaxis_title="decode step", yaxis_title="batch size (sequences)",
+                      title="Decode batch sizes over the steps of a serving trace")
+    return fig
+
+
 def fmt_bytes(n) -> str:
     if n is None:
         return "n/a"

@@ -180,3 +180,11 @@ def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
 def test_bench_refuses_an_unknown_strategy(capsys):
     assert main(["bench", "decode", "-p", "strategies=warp_speed"]) == 2
     assert "known:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["cpu-small", "cpu-real", "gpu"])
+def test_every_preset_lists_the_decode_settings(preset):
+    from kit.config import PARAMETERS, read_preset
+    values = read_preset(preset)
+    assert set(PARAMETERS) <= set(values)
+    assert values["strategies"] is None and values["num_iters"] >= 1

@@ -1,0 +1,128 @@
+"""The compile strategies (kit/compile.py) and their side-by-side comparison (kit/strategies.py)."""
+import json
+
+import pytest
+import torch
+
+from kit.cli import main
+from kit.compile import SERVING_STRATEGIES, make_runner
+from kit.config import ConfigError, load
+from kit.model import build_model, dummy_batch
+from kit.strategies import PLAN_NAMES, decode_batch_sizes, get_plans
+
+BATCHES = (4, 1, 2, 3, 8, 5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    s = load("cpu-small", dtype="float32", device="cpu")
+    return build_model(s.arch, s.dtype, "cpu", seed=0)
+
+
+def ids(batch, seq_len=1, seed=0):
+    return torch.randint(0, 32000, (batch, seq_len), generator=torch.Generator().manual_seed(seed + batch))
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+@pytest.mark.parametrize("strategy", ["eager", "stock", "guard_free", "bytecode_hook"])
+def test_outputs_match_eager_over_batch_sizes(model, strategy):
+    runner = make_runner(model.forward, strategy, "cpu", (ids(4),))
+    for b in BATCHES:
+        torch.testing.assert_close(runner(ids(b)), model(ids(b)), atol=1e-4, rtol=1e-4)
+    runner.discard()
+
+
+def test_guard_free_compiles_once_and_keeps_no_guards_while_stock_recompiles(model):
+    free = make_runner(model.forward, "guard_free", "cpu", (ids(4),))
+    stock = make_runner(model.forward, "stock", "cpu", (ids(4),))
+    for b in BATCHES:
+        free(ids(b)), stock(ids(b))
+    assert free.graphs_compiled == 1 and free.guards() == [0]
+    # the contrast that shows the count can move: stock specializes batch 1 in a second graph
+    assert stock.graphs_compiled == 2 and len(stock.guards()) == 2 and min(stock.guards()) > 0
+
+
+def test_guard_free_turns_a_recompile_into_an_error(model):
+    runner = make_runner(model.forward, "guard_free", "cpu", (ids(4),))
+    torch._dynamo.eval_frame.remove_from_cache(runner.code)  # behind the runner's back
+    with pytest.raises(RuntimeError, match="fail_on_recompile|recompil"):
+        runner(ids(2))
+    assert runner.graphs_compiled == 1
+
+
+def test_runners_never_share_dynamo_caches(model):
+    a = make_runner(model.forward, "stock", "cpu", (ids(4),))
+    b = make_runner(model.forward, "guard_free", "cpu", (ids(4),))
+    assert a.code is not b.code and a.code is not type(model).forward.__code__
+    assert len(a.cache_entries()) == len(b.cache_entries()) == 1
+    assert torch._dynamo.eval_frame._debug_get_cache_entry_list(type(model).forward.__code__) == []
+
+
+def test_discarding_the_profiling_compile_leaves_what_serving_alone_leaves(model):
+    profile_ids = dummy_batch(256, 8, 32000, "cpu")
+    served_only = make_runner(model.forward, "stock", "cpu", (ids(4),))
+    kept = make_runner(model.forward, "stock", "cpu", (profile_ids,))  # strategy 2
+    discarded = make_runner(model.forward, "stock", "cpu", (profile_ids,))  # strategy 4
+    discarded.discard()
+    assert discarded.cache_entries() == []
+    kept.warm((ids(4),))
+    discarded.warm((ids(4),))
+    assert discarded.guards() == served_only.guards()
+    assert len(kept.cache_entries()) == len(served_only.cache_entries()) + 1
+
+
+def test_bytecode_hook_runs_dynamos_code_without_dynamo(model):
+    runner = make_runner(model.forward, "bytecode_hook", "cpu", (ids(4),))
+    assert runner.dispatch is not None and runner.dispatch.__code__ is not runner.code
+    for b in BATCHES:
+        runner(ids(b))
+    assert runner.graphs_compiled == 1 and len(runner.cache_entries()) == 1
+    runner.discard()
+    assert runner.dispatch is None
+
+
+def test_direct_call_runs_the_same_graph(model):
+    runner = make_runner(model.forward, "guard_free", "cpu", (ids(4),))
+    (out,) = runner.direct_call(ids(3))()
+    torch.testing.assert_close(out.view(3, 1, -1), runner(ids(3)))
+
+
+def test_unknown_strategy_and_cuda_graphs_on_cpu_are_refused(model):
+    with pytest.raises(ConfigError, match=r"unknown strategy 'inductor'.*'guard_free'"):
+        make_runner(model.forward, "inductor", "cpu", (ids(4),))
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):
+        make_runner(model.forward, "cuda_graphs", "cpu", (ids(4),))
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        get_plans(["eager", "fast"])
+    assert set(SERVING_STRATEGIES) <= {p.serve for p in get_plans()} | {"eager"}
+
+
+def test_decode_batch_sizes_visit_one_and_the_full_batch():
+    for max_num_seqs in (1, 3, 8, 32, 256):
+        for seed in range(20):
+            sizes = decode_batch_sizes(max_num_seqs, seed=seed)
+            assert sizes == decode_batch_sizes(max_num_seqs, seed=seed)  # deterministic
+            assert sizes[0] == 1 and min(sizes) == 1 and max(sizes) == max_num_seqs
+    assert len(set(decode_batch_sizes(8))) >= 5  # sizes between, not only the two ends
+
+
+def test_bench_command_prints_the_table_as_json(capsys):
+    code = main(["bench", "compile", "-p", "max_num_batched_tokens=256", "--rounds", "2",
+                 "--calls", "2", "--no-probe", "--strategies", "profile_eager",
+                 "profile_compiled_discard", "cuda_graphs"])
+    table = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["name"] for r in table["strategies"]] == [
+        "profile_eager", "profile_compiled_discard", "cuda_graphs"]
+    p3, p4, graphs = table["strategies"]
+    assert not graphs["available"] and "GPU" in graphs["reason"]
+    assert p4["guards"] == p3["guards"] and p4["matches_eager"] and p3["matches_eager"]
+    left = table["budget_bytes"] - table["weights_bytes"]
+    bpb = table["bytes_per_block"]
+    for r in (p3, p4):
+        assert r["num_blocks"] == (left - r["peak_activation_bytes"]) // bpb
+    assert set(PLAN_NAMES) >= {r["name"] for r in table["strategies"]}
