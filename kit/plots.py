@@ -228,3 +228,30 @@ def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
     fig.update_layout(title="Block ownership (colour: sequence; blank: free)", xaxis_title="block % 32",
                       yaxis_title="block // 32", yaxis_autorange="reversed")
     return fig
+
+
+def kit_vs_vllm(labels: list[str], kit_values: list, vllm_values: list, title: str,
+                yaxis_title: str) -> go.Figure:
+    """Grouped bars, the kit beside vLLM, one group per label (chapter 05). None: not measured."""
+    fig = go.Figure()
+    for name, values, color in (("kit", kit_values, "#4c72b0"), ("vLLM", vllm_values, "#dd8452")):
+        fig.add_bar(name=name, x=labels, y=values, marker_color=color,
+                    text=[f"{v:,.4g}" if v is not None else "n/a" for v in values])
+    fig.update_layout(barmode="group", title=title, yaxis_title=yaxis_title)
+    return fig
+
+
+def memory_kit_vs_vllm(kit_profile, vllm_memory: dict) -> go.Figure:
+    """Stacked bars (GPU): the kit's profile (`MemoryProfile`) beside the one vLLM computed."""
+    parts = {"weights": (kit_profile.weights_bytes, vllm_memory["weights_bytes"]),
+             "activations": (kit_profile.peak_activation_bytes,
+                             vllm_memory["peak_activation_bytes"]),
+             "non-torch": (kit_profile.non_torch_bytes or 0,
+                           vllm_memory["non_torch_and_other_bytes"]),
+             "KV cache": (max(0, kit_profile.kv_cache_bytes), vllm_memory["kv_cache_budget_bytes"])}
+    fig = go.Figure()
+    for part, (kit_bytes, vllm_bytes) in parts.items():
+        fig.add_bar(name=part, x=["kit", "vLLM"], y=[kit_bytes / MiB, vllm_bytes / MiB],
+                    marker_color=COLORS[part])
+    fig.update_layout(barmode="stack", yaxis_title="MiB", title="Memory profile: kit and vLLM")
+    return fig

