@@ -139,7 +139,6 @@ class Compiled(Runner):
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
-        self.inductor_config = {}  # Inductor settings patched in while compiling (make_runner)
         self._capture = None
         options = {"guard_filter_fn": self.guard_filter_fn} if self.guard_filter_fn else None
         self.compiled = torch.compile(self.fn, backend=self._backend, fullgraph=True,
@@ -150,8 +149,7 @@ class Compiled(Runner):
         """Inductor, as backend="inductor" runs it, keeping each compiled graph so that it can
         also be called directly, without Dynamo in front (see `direct_call`)."""
         from torch._inductor.compile_fx import compile_fx
-        with torch._inductor.config.patch(self.inductor_config):
-            graph = compile_fx(gm, example_inputs)
+        graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
 
         def call(*args):  # Dynamo's transformed code calls the graph with flat inputs
@@ -339,8 +337,9 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
     index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
-    to the example's batch size). `inductor_config` patches Inductor's settings while it
-    compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on the CPU)."""
+    to the example's batch size). `inductor_config` patches Inductor's settings for the first
+    call, which compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on
+    the CPU)."""
     check_strategy(strategy)
     dims = DEFAULT_DYNAMIC_DIMS if dynamic_dims is None else dynamic_dims
     if strategy == "eager":
@@ -354,7 +353,7 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     else:
         batch = example_args[min(dims, default=0)].shape[0]
         runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch))
-    compiled = getattr(runner, "inner", runner)
-    if inductor_config and isinstance(compiled, Compiled):
-        compiled.inductor_config = dict(inductor_config)
-    return runner.warm(tuple(example_args))
+    # Dynamo reads some of these too (freezing: parameters become constants), so they hold
+    # for the whole first call, which traces and compiles.
+    with torch._inductor.config.patch(inductor_config or {}):
+        return runner.warm(tuple(example_args))

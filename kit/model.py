@@ -96,20 +96,31 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     Keys and values are gathered through the block table: every shape depends only on the batch
     size and the table's width, never on the contexts' lengths, so one compiled graph (or one
     CUDA graph) serves every step. Positions past a sequence's context (the padding of its
-    last block, or of its table) are masked out. Written as two matmuls and a softmax in
-    float32: for a single query, PyTorch's CPU flash attention was several times slower.
+    last block, or of its table) are masked out; the softmax runs in float32.
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
     max_len, group = width * block_size, q.shape[1] // kv_heads
     k = layer_cache[0][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
     v = layer_cache[1][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
-    # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
-    scores = torch.matmul(q.view(num_seqs, kv_heads, group, head_dim), k.permute(0, 2, 3, 1))
     visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
-    scores = scores.float().masked_fill(~visible[:, None, None, :], float("-inf"))
-    weights = (scores * head_dim ** -0.5).softmax(-1).to(q.dtype)
-    return torch.matmul(weights, v.transpose(1, 2)).reshape(q.shape)
+    # The same arithmetic written two ways (the branch is taken once, while tracing): run
+    # eagerly, two matmuls; compiled, products summed, which Inductor fuses with the gather
+    # into one pass over the cache. qwen2.5-0.5b, batch 8, one CPU thread: compiled, 78 ms a
+    # step against 108 ms with matmuls; eagerly, 280 ms against 185 ms with matmuls.
+    if torch.compiler.is_compiling():
+        qg = q.view(num_seqs, 1, kv_heads, group, head_dim).float()
+        scores = (qg * k[:, :, :, None, :].float()).sum(-1).permute(0, 2, 3, 1)
+    else:  # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
+        scores = torch.matmul(q.view(num_seqs, kv_heads, group, head_dim),
+                              k.permute(0, 2, 3, 1)).float()
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
+    weights = (scores * head_dim ** -0.5).softmax(-1)
+    if torch.compiler.is_compiling():
+        out = (weights.permute(0, 3, 1, 2)[..., None] * v[:, :, :, None, :].float()).sum(1)
+    else:
+        out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
+    return out.to(q.dtype).reshape(q.shape)
 
 
 class Attention(nn.Module):

@@ -188,3 +188,22 @@ def test_every_preset_lists_the_decode_settings(preset):
     values = read_preset(preset)
     assert set(PARAMETERS) <= set(values)
     assert values["strategies"] is None and values["num_iters"] >= 1
+
+
+def test_the_compiled_step_equals_the_reference_too():
+    """The compiled attention (products summed, fused with the gather) on a multi-query model,
+    across block edges, through a guard-free runner as chapter 04 times it."""
+    from kit.compile import make_runner
+    from kit.decode_bench import CPU_FREEZING
+    a = ARCHS["mqa"]
+    model, prompts, batch, _ = paged_run(a, "float32")
+    with torch.no_grad():
+        batch.start(model, prompts)
+        batch.make_room()
+        runner = make_runner(step_function(model), "guard_free", "cpu", batch.step_args(),
+                             dynamic_dims={}, inductor_config=CPU_FREEZING)
+    run = generate(model, batch, prompts, STEPS, step=runner)
+    result = check_against_reference(model, prompts, run, "float32")
+    runner.discard()
+    assert result.max_error < 1e-5, result.errors
+    assert runner.graphs_compiled == 1
