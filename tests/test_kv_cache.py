@@ -67,9 +67,13 @@ def test_budget_below_one_block_and_max_model_len_that_does_not_fit():
     spec = KVCacheSpec.from_settings(load("cpu-small"))
     with pytest.raises(ConfigError, match="smaller than one block of 32,768 bytes"):
         size_kv_cache(spec, 32_767, 1024)
-    with pytest.raises(ConfigError, match=r"max_model_len=1,024 needs 64 blocks .* holds 32 .* "
-                                          r"Lower max_model_len to 512 or less"):
+    # 32 blocks, one of them vLLM's null block: 31 × 16 = 496 usable tokens
+    with pytest.raises(ConfigError, match=r"max_model_len=1,024 needs 64 blocks plus vLLM's null "
+                                          r"block .* holds 32 .* Lower max_model_len to 496 or less"):
         size_kv_cache(spec, 32 * 32_768, 1024)
+    with pytest.raises(ConfigError, match="Lower max_model_len to 1,008"):
+        size_kv_cache(spec, 64 * 32_768, 1024)  # exactly one request's blocks: refused, as vLLM does
+    assert size_kv_cache(spec, 65 * 32_768, 1024).num_blocks == 65
 
 
 def test_explicit_kv_cache_size_overrides_the_profile():
