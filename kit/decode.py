@@ -74,6 +74,13 @@ def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: 
     return need
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row. Taken in float32: on the CPU, argmax over bfloat16
+    logits runs about 5× slower (qwen2.5-0.5b's 151,936 logits × 8 rows: 2.2 ms against 0.4 ms
+    with the conversion), a tenth of a decode step."""
+    return logits.float().argmax(-1)
+
+
 class PagedBatch:
     """The decode state of one batch: its blocks, and the tensors the step reads each time.
 
@@ -102,7 +109,7 @@ class PagedBatch:
         self.block_tables.zero_()  # padding entries: block 0 will do, the mask hides them
         self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
         logits = self.prefill(model, prompts)
-        self.input_ids.copy_(logits.argmax(-1))
+        self.input_ids.copy_(greedy(logits))
         return logits
 
     def prefill(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
@@ -137,7 +144,7 @@ class PagedBatch:
         bookkeeping, the step, greedy sampling fed back in place. Returns the logits."""
         self.make_room()
         logits = step(*self.step_args())
-        self.input_ids.copy_(logits.argmax(-1))
+        self.input_ids.copy_(greedy(logits))
         self.positions.add_(1)
         return logits
 

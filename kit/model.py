@@ -129,18 +129,19 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx  # which slice of the KV cache is this layer's
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        q, kv, bias = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            arch.attention_bias
-        self.q_proj = nn.Linear(arch.hidden_size, q, bias=bias)
-        self.k_proj = nn.Linear(arch.hidden_size, kv, bias=bias)
-        self.v_proj = nn.Linear(arch.hidden_size, kv, bias=bias)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q, kv, kv)
+        # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
+        # layer instead of three, which streams the weights faster at a decode batch.
+        self.qkv_proj = nn.Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
         self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         tokens = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -165,15 +166,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        # The gate and up projections in one matrix (vLLM's MergedColumnParallelLinear).
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gelu = arch.hidden_act != "silu"
 
     def forward(self, x):
-        gate = self.gate_proj(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
