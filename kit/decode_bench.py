@@ -29,7 +29,8 @@ from kit.device import Timings, describe, synchronize, versions
 from kit.kv_cache import KVCacheSpec, size_kv_cache
 from kit.model import Decoder, build_model, weights_bytes
 from kit.plots import Table
-from kit.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
+from kit.roofline import DeviceLimits, StepCost, decode_step_cost, linear_weights, measure_limits
+from kit.step_profile import StepBreakdown, profile_steps
 
 GiB = 2**30
 # On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
@@ -37,6 +38,7 @@ GiB = 2**30
 # batch a plain bf16 matmul reached about half the copy bandwidth here, a prepacked one about
 # twice that. (The frozen copy costs one more copy of the weights while the runner lives.)
 CPU_FREEZING = {"freezing": True}
+PROFILED_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
 
 
 @dataclass
@@ -54,6 +56,7 @@ class StrategyTiming:
     prefills: list[float] = field(default_factory=list)     # [run] seconds
     correctness: Correctness | None = None                  # of the first timed run
     floor_seconds: list[float] = field(default_factory=list)  # per step, from the roofline
+    breakdown: StepBreakdown | None = None                  # a few steps, profiled apart
 
     @property
     def samples(self) -> Timings:
@@ -116,7 +119,8 @@ class StrategyTiming:
                 "percent_of_floor": self.percent_of_floor, "step_seconds": self.step_seconds,
                 "floor_seconds": self.floor_seconds, "runs_step_seconds": self.runs,
                 "runs_prefill_seconds": self.prefills,
-                "correctness": self.correctness.summary() if self.correctness else None}
+                "correctness": self.correctness.summary() if self.correctness else None,
+                "breakdown": self.breakdown.summary() if self.breakdown else None}
 
 
 @torch.no_grad()
@@ -165,7 +169,12 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
                 timings[name].correctness = check_against_reference(model, prompts, run, dtype)
-    for runner in runners.values():
+    progress("profiling a few steps of each strategy (where the time goes) ...")
+    gemm_bytes = linear_weights(model.arch) * next(model.parameters()).element_size()
+    for name, runner in runners.items():
+        batch.start(model, prompts)
+        timings[name].breakdown = profile_steps(batch, runner, min(PROFILED_STEPS, steps), name,
+                                                gemm_bytes)
         runner.discard()
     return timings
 
@@ -297,11 +306,20 @@ class DecodeReport:
                  "end to end s": f"{t.end_to_end_seconds:.3f}",
                  "tokens/s": f"{t.tokens_per_second:,.0f}",
                  "% of floor": f"{t.percent_of_floor:.0f}%",
-                 "max logit error": f"{t.correctness.max_error:.1e}"}
+                 "max logit error": f"{t.correctness.max_error:.1e}",
+                 "weight matmuls: share, GB/s": matmul_cell(t.breakdown)}
                 for t in self.timings.values()]
         s = self.settings
         return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
                            f"{self.plan.steps} decode steps, {s.dtype}, {s.device}")
+
+
+def matmul_cell(breakdown: StepBreakdown | None) -> str:
+    """The weight matmuls' share of a profiled step and the rate they stream weights at."""
+    if breakdown is None or breakdown.gemm_bandwidth is None:
+        return "n/a"
+    share = breakdown.shares()["weight matmuls"]
+    return f"{share:.0%}, {breakdown.gemm_bandwidth / 1e9:,.1f}"
 
 
 def run_decode(settings: Settings, progress=print) -> DecodeReport:

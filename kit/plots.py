@@ -99,6 +99,23 @@ def floor_percent(timings: dict) -> go.Figure:
     return fig
 
 
+def step_parts(timings: dict, floor_seconds: float) -> go.Figure:
+    """Each strategy's median step split into its profiled parts (weight matmuls, sampling,
+    everything else), the bandwidth floor of the median step dashed across."""
+    fig = go.Figure()
+    named = {n: t for n, t in timings.items() if t.breakdown is not None}
+    colors = {"weight matmuls": COLORS["weights"], "sampling": COLORS["non-torch"],
+              "everything else": COLORS["activations"]}
+    parts = {n: t.breakdown.scaled(t.median) for n, t in named.items()}
+    for part, color in colors.items():
+        fig.add_bar(name=part, x=list(named), y=[parts[n][part] * 1e3 for n in named],
+                    marker_color=color, hovertemplate="%{x}: %{y:.2f} ms<extra>" + part + "</extra>")
+    fig.add_hline(y=floor_seconds * 1e3, line_dash="dash", annotation_text="bandwidth floor")
+    fig.update_layout(barmode="stack", yaxis_title="ms per step (timed median, split by profile)",
+                      title="Where a decode step's time goes")
+    return fig
+
+
 def strategy_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
                   fmt: str = "{:,.2f}") -> go.Figure:
     """One bar per strategy of `row[key] * scale` (chapter 03); strategies without the value

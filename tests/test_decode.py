@@ -12,7 +12,8 @@ from kit.decode import (TOLERANCE, blocks_needed, check_against_reference, gener
 from kit.decode_bench import check_request, early_plan, run_decode
 from kit.kv_cache import KVCacheSpec, allocate
 from kit.model import build_model
-from kit.roofline import decode_step_cost, weight_bytes_per_step
+from kit.roofline import decode_step_cost, linear_weights, weight_bytes_per_step
+from kit.step_profile import GEMM, SAMPLING, profile_steps
 
 
 def arch(heads, kv_heads, family="llama", **extra):
@@ -175,6 +176,10 @@ def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
     assert eager["correctness"]["ok"] and report["mixed_lengths"]["ok"]
     assert report["limits"]["bandwidth"] > 0 and report["median_step_cost"]["total_bytes"] > 0
     assert "% of floor" in capsys.readouterr().out
+    parts = eager["breakdown"]
+    assert parts["steps"] == 3 and parts["gemm_seconds"] > 0
+    assert parts["gemm_weight_bytes"] == linear_weights(kit.load("cpu-small").arch) * 2
+    assert sum(parts["shares"].values()) == pytest.approx(1.0)
 
 
 def test_bench_refuses_an_unknown_strategy(capsys):
@@ -207,3 +212,27 @@ def test_the_compiled_step_equals_the_reference_too():
     runner.discard()
     assert result.max_error < 1e-5, result.errors
     assert runner.graphs_compiled == 1
+
+
+@pytest.mark.parametrize("name, part", [
+    ("mkldnn::_linear_pointwise", "gemm"), ("aten::addmm", "gemm"), ("aten::mm", "gemm"),
+    ("aten::linear", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"), ("nvjet_tst_64x8", "gemm"),
+    ("aten::argmax", "sampling"), ("aten::bmm", "other"), ("aten::mul", "other"),
+    ("graph_0_cpp_fused__softmax_mul_sum_3", "other"), ("aten::index_put_", "other")])
+def test_profile_events_are_sorted_into_parts(name, part):
+    """The weights' products (the CPU's and the GPU's kernel names) apart from the eager
+    attention's batched products, sampling apart from both."""
+    found = "gemm" if GEMM.search(name) else "sampling" if SAMPLING.search(name) else "other"
+    assert found == part
+
+
+def test_a_profiled_step_splits_into_parts_that_add_up():
+    a = ARCHS["gqa"]
+    model, prompts, batch, _ = paged_run(a, "float32")
+    batch.start(model, prompts)
+    parts = profile_steps(batch, step_function(model), 3, "eager", linear_weights(a) * 4)
+    assert parts.steps == 3 and parts.gemm_seconds > 0 and parts.sampling_seconds > 0
+    assert parts.gemm_seconds + parts.sampling_seconds <= parts.profiled_seconds
+    assert sum(parts.scaled(0.01).values()) == pytest.approx(0.01)
+    assert parts.gemm_bandwidth == pytest.approx(parts.gemm_weight_bytes / parts.gemm_seconds)
+    assert list(batch.allocator.lengths.values()) == [n + 3 for n in LENGTHS]  # real steps

@@ -1,0 +1,111 @@
+"""Where a decode step's time goes (chapter 04): a few steps under torch.profiler, split into
+the matrix products that stream the weights, greedy sampling, and everything else.
+
+The bandwidth floor says what a step *could* take; this says what its parts *do* take. The
+matrix products read every weight once per step, so their time alone gives the rate at which
+the device's matrix library streams weights at this batch size: the ceiling for any strategy
+built on that library. On the 2-core CPU here, oneDNN's bf16 kernels stream prepacked weights
+at a decode batch at roughly half to two thirds of the copy bandwidth (one token alone is
+barely faster), which is why no strategy gets near 100% of the floor.
+
+The profiled steps are extra steps, run after the timed ones; profiling slows a step a little,
+so the parts are reported as shares of the profiled step and as milliseconds scaled to the
+timed median.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kit.device import synchronize
+
+# Event names of the products with the weights: ATen's and oneDNN's on the CPU (a linear is
+# aten::mm or aten::addmm; Inductor calls the prepacked oneDNN linear as
+# mkldnn::_linear_pointwise), while the eager attention's batched products (aten::bmm) count as
+# everything else. On a GPU, cuBLAS / CUTLASS kernels by name, the eager attention's included.
+GEMM = re.compile(r"linear|addmm|aten::mm\b|gemm|cutlass|xmma|nvjet", re.I)
+SAMPLING = re.compile(r"argmax")
+PARTS = ("weight matmuls", "sampling", "everything else")
+
+
+@dataclass
+class StepBreakdown:
+    """One strategy's profiled steps: seconds per step in each part, and the weights' bytes."""
+
+    strategy: str
+    steps: int
+    profiled_seconds: float       # wall time per profiled step
+    gemm_seconds: float           # per step, self time of the products with the weights
+    sampling_seconds: float       # per step
+    gemm_weight_bytes: int        # what those products read per step
+    device: str
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.profiled_seconds - self.gemm_seconds - self.sampling_seconds)
+
+    def shares(self) -> dict[str, float]:
+        """Each part's fraction of the profiled step."""
+        parts = (self.gemm_seconds, self.sampling_seconds, self.other_seconds)
+        return {name: part / self.profiled_seconds for name, part in zip(PARTS, parts)}
+
+    def scaled(self, step_seconds: float) -> dict[str, float]:
+        """Each part in seconds of a step that takes `step_seconds` (the timed median)."""
+        return {name: share * step_seconds for name, share in self.shares().items()}
+
+    @property
+    def gemm_bandwidth(self) -> float | None:
+        """Bytes per second the weight matmuls stream the weights at (None if none seen:
+        a CUDA graph replays its kernels out of the profiler's sight)."""
+        return self.gemm_weight_bytes / self.gemm_seconds if self.gemm_seconds else None
+
+    def summary(self) -> dict:
+        return {"strategy": self.strategy, "steps": self.steps, "device": self.device,
+                "profiled_seconds": self.profiled_seconds, "gemm_seconds": self.gemm_seconds,
+                "sampling_seconds": self.sampling_seconds, "other_seconds": self.other_seconds,
+                "gemm_weight_bytes": self.gemm_weight_bytes, "gemm_bandwidth": self.gemm_bandwidth,
+                "shares": self.shares()}
+
+
+def self_seconds(event, device: str) -> float:
+    """An averaged event's self time: on the device for a GPU, on the CPU otherwise."""
+    if device == "cuda":
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = getattr(event, "self_cuda_time_total", 0)
+    else:
+        us = event.self_cpu_time_total
+    return us / 1e6
+
+
+def split_events(events, device: str) -> tuple[float, float]:
+    """Total self seconds of the weight matmuls and of sampling among `events`."""
+    gemm = sampling = 0.0
+    for e in events:
+        if GEMM.search(e.key):
+            gemm += self_seconds(e, device)
+        elif SAMPLING.search(e.key):
+            sampling += self_seconds(e, device)
+    return gemm, sampling
+
+
+@torch.no_grad()
+def profile_steps(batch, step, steps: int, strategy: str, gemm_weight_bytes: int) -> StepBreakdown:
+    """`steps` decode steps of `batch` (already started, with room for them in its block
+    table) through `step`, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    device = batch.kv_cache.device.type
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            batch.step(step)
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    gemm, sampling = split_events(prof.key_averages(), device)
+    return StepBreakdown(strategy, steps, wall / steps, gemm / steps, sampling / steps,
+                         gemm_weight_bytes, device)
