@@ -16,7 +16,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,8 @@ from kit.device import Timings, describe, synchronize, versions
 from kit.kv_cache import KVCacheSpec, size_kv_cache
 from kit.model import Decoder, build_model, weights_bytes
 from kit.plots import Table
-from kit.roofline import DeviceLimits, StepCost, decode_step_cost, linear_weights, measure_limits
+from kit.roofline import (DeviceLimits, StepCost, decode_step_cost, linear_weights,
+                          measure_bandwidth, measure_limits)
 from kit.step_profile import StepBreakdown, profile_steps
 
 GiB = 2**30
@@ -348,6 +349,9 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
     batch = new_batch(kv_cache, plan.prompt_lens, plan.steps)
     timings = time_strategies(model, batch, prompts, plan.steps, strategies, settings.dtype,
                               settings.num_iters, progress)
+    limits = replace(limits, bandwidth_after=measure_bandwidth(settings.device)[2])
+    progress(f"copy bandwidth again after the timed runs: {limits.bandwidth_after / 1e9:,.1f} GB/s "
+             f"({limits.bandwidth_drift:.2f}× the first; the floor uses the first)")
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
@@ -416,6 +420,8 @@ def bench_decode(args) -> int:
           f"{report.limits.bandwidth / 1e9:,.1f} GB/s = {report.floor_seconds[len(report.costs) // 2] * 1e3:.2f} ms; "
           f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
           f"({cost.flops / 1e9:,.2f} GFLOP at {report.limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
+    print(f"copy bandwidth after the timed runs: {report.limits.bandwidth_after / 1e9:,.1f} GB/s "
+          f"({report.limits.bandwidth_drift:.2f}× the first)")
     vllm = vllm_cpu_reference(settings)
     if vllm:
         print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "

@@ -111,9 +111,16 @@ class DeviceLimits:
     matmul_size: int
     matmul_dtype: str
     matmul_flops_per_second: float
+    bandwidth_after: float | None = None  # the same copy again after the timed runs
+
+    @property
+    def bandwidth_drift(self) -> float | None:
+        """after / before: on a shared machine the bandwidth a run sees can move while it runs
+        (a neighbour's memory traffic); far from 1, read the % of floor with that in mind."""
+        return self.bandwidth_after / self.bandwidth if self.bandwidth_after else None
 
     def summary(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "bandwidth_drift": self.bandwidth_drift}
 
 
 def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10):

@@ -175,6 +175,8 @@ def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
     assert len(eager["step_seconds"]) == 3 == len(eager["floor_seconds"])
     assert eager["correctness"]["ok"] and report["mixed_lengths"]["ok"]
     assert report["limits"]["bandwidth"] > 0 and report["median_step_cost"]["total_bytes"] > 0
+    limits = report["limits"]
+    assert limits["bandwidth_drift"] == pytest.approx(limits["bandwidth_after"] / limits["bandwidth"])
     assert "% of floor" in capsys.readouterr().out
     parts = eager["breakdown"]
     assert parts["steps"] == 3 and parts["gemm_seconds"] > 0
