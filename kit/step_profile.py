@@ -5,8 +5,9 @@ The bandwidth floor says what a step *could* take; this says what its parts *do*
 matrix products read every weight once per step, so their time alone gives the rate at which
 the device's matrix library streams weights at this batch size: the ceiling for any strategy
 built on that library. On the 2-core CPU here, oneDNN's bf16 kernels stream prepacked weights
-at a decode batch at roughly half to two thirds of the copy bandwidth (one token alone is
-barely faster), which is why no strategy gets near 100% of the floor.
+at a decode batch of 8 at 30-38 GB/s, steadily, while a plain copy measured 37-72 GB/s from
+run to run (a shared machine): 50-90% of it, and one token alone is barely faster. No strategy
+built on them gets nearer the floor than that.
 
 The profiled steps are extra steps, run after the timed ones; profiling slows a step a little,
 so the parts are reported as shares of the profiled step and as milliseconds scaled to the
