@@ -16,7 +16,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -148,10 +148,10 @@ def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], step
 
 def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
                     steps: int, strategies, dtype: str, num_iters: int,
-                    progress=print) -> dict[str, StrategyTiming]:
+                    progress=print, after_round=None) -> dict[str, StrategyTiming]:
     """Warm every strategy up, then `num_iters` rounds in which each strategy in turn runs
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
-    whichever ran at the time. The first timed run of each is checked against the reference."""
+    whichever ran at the time; `after_round` is called after each round. The first timed run of each is checked against the reference."""
     runners, timings = {}, {}
     for i, name in enumerate(strategies, 1):
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
@@ -170,6 +170,8 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
                 timings[name].correctness = check_against_reference(model, prompts, run, dtype)
+        if after_round is not None:
+            after_round()
     progress("profiling a few steps of each strategy (where the time goes) ...")
     gemm_bytes = linear_weights(model.arch) * next(model.parameters()).element_size()
     for name, runner in runners.items():
@@ -315,6 +317,12 @@ class DecodeReport:
                            f"{self.plan.steps} decode steps, {s.dtype}, {s.device}")
 
 
+def bandwidth_line(limits: DeviceLimits) -> str:
+    samples = limits.bandwidth_samples
+    return (f"median {limits.bandwidth / 1e9:,.1f} GB/s of {len(samples)} measurements "
+            f"({min(samples) / 1e9:,.1f}–{max(samples) / 1e9:,.1f})")
+
+
 def matmul_cell(breakdown: StepBreakdown | None) -> str:
     """The weight matmuls' share of a profiled step and the rate they stream weights at."""
     if breakdown is None or breakdown.gemm_bandwidth is None:
@@ -347,11 +355,12 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
                               [n + t + 1 for n in plan.prompt_lens]) for t in range(plan.steps)]
     prompts = make_prompts(plan.prompt_lens, settings.arch.vocab_size, settings.seed)
     batch = new_batch(kv_cache, plan.prompt_lens, plan.steps)
+    samples = []  # the copy again after each round of timed runs
     timings = time_strategies(model, batch, prompts, plan.steps, strategies, settings.dtype,
-                              settings.num_iters, progress)
-    limits = replace(limits, bandwidth_after=measure_bandwidth(settings.device)[2])
-    progress(f"copy bandwidth again after the timed runs: {limits.bandwidth_after / 1e9:,.1f} GB/s "
-             f"({limits.bandwidth_drift:.2f}× the first; the floor uses the first)")
+                              settings.num_iters, progress, after_round=lambda: samples.append(
+                                  measure_bandwidth(settings.device)[2]))
+    limits = limits.with_samples(samples)
+    progress(f"copy bandwidth over the run: {bandwidth_line(limits)}; the floor uses the median")
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
@@ -420,8 +429,7 @@ def bench_decode(args) -> int:
           f"{report.limits.bandwidth / 1e9:,.1f} GB/s = {report.floor_seconds[len(report.costs) // 2] * 1e3:.2f} ms; "
           f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
           f"({cost.flops / 1e9:,.2f} GFLOP at {report.limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
-    print(f"copy bandwidth after the timed runs: {report.limits.bandwidth_after / 1e9:,.1f} GB/s "
-          f"({report.limits.bandwidth_drift:.2f}× the first)")
+    print(f"copy bandwidth over the run: {bandwidth_line(report.limits)}")
     vllm = vllm_cpu_reference(settings)
     if vllm:
         print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "

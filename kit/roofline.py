@@ -18,7 +18,8 @@ pure Python; only the two measurements import torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig
 
@@ -106,21 +107,24 @@ class DeviceLimits:
 
     device: str
     copy_bytes: int
-    copy_seconds: float          # median of the copies
-    bandwidth: float             # bytes read + written per second
+    copy_seconds: float          # median of the first measurement's copies
+    bandwidth: float             # bytes read + written per second (median of the samples)
     matmul_size: int
     matmul_dtype: str
     matmul_flops_per_second: float
-    bandwidth_after: float | None = None  # the same copy again after the timed runs
+    bandwidth_samples: tuple[float, ...] = ()  # every copy measurement of the run, in order
 
-    @property
-    def bandwidth_drift(self) -> float | None:
-        """after / before: on a shared machine the bandwidth a run sees can move while it runs
-        (a neighbour's memory traffic); far from 1, read the % of floor with that in mind."""
-        return self.bandwidth_after / self.bandwidth if self.bandwidth_after else None
+    def with_samples(self, more) -> "DeviceLimits":
+        """The copy measured again while the run went on (after each round of timed runs):
+        `bandwidth` becomes the median of every measurement, so the floor reflects the whole
+        run rather than its first second. On a shared machine a neighbour's memory traffic
+        moves it: here 37-72 GB/s from one run to the next."""
+        samples = (*(self.bandwidth_samples or (self.bandwidth,)), *more)
+        return replace(self, bandwidth=statistics.median(samples), bandwidth_samples=samples)
 
     def summary(self) -> dict:
-        return {**self.__dict__, "bandwidth_drift": self.bandwidth_drift}
+        samples = self.bandwidth_samples or (self.bandwidth,)
+        return {**self.__dict__, "bandwidth_min": min(samples), "bandwidth_max": max(samples)}
 
 
 def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10):
@@ -156,4 +160,5 @@ def measure_limits(device: str, dtype: str) -> DeviceLimits:
     size = MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
     return DeviceLimits(device=device, copy_bytes=nbytes, copy_seconds=seconds,
                         bandwidth=bandwidth, matmul_size=size, matmul_dtype=dtype,
-                        matmul_flops_per_second=measure_matmul(device, dtype, size))
+                        matmul_flops_per_second=measure_matmul(device, dtype, size),
+                        bandwidth_samples=(bandwidth,))
