@@ -151,7 +151,8 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
                     progress=print, after_round=None) -> dict[str, StrategyTiming]:
     """Warm every strategy up, then `num_iters` rounds in which each strategy in turn runs
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
-    whichever ran at the time; `after_round` is called after each round. The first timed run of each is checked against the reference."""
+    whichever ran at the time; `after_round` is called after each round. The first timed run
+    of each is checked against the reference; then a few more steps of each are profiled."""
     runners, timings = {}, {}
     for i, name in enumerate(strategies, 1):
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
@@ -360,7 +361,6 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
                               settings.num_iters, progress, after_round=lambda: samples.append(
                                   measure_bandwidth(settings.device)[2]))
     limits = limits.with_samples(samples)
-    progress(f"copy bandwidth over the run: {bandwidth_line(limits)}; the floor uses the median")
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
@@ -429,7 +429,7 @@ def bench_decode(args) -> int:
           f"{report.limits.bandwidth / 1e9:,.1f} GB/s = {report.floor_seconds[len(report.costs) // 2] * 1e3:.2f} ms; "
           f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
           f"({cost.flops / 1e9:,.2f} GFLOP at {report.limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
-    print(f"copy bandwidth over the run: {bandwidth_line(report.limits)}")
+    print(f"copy bandwidth over the run: {bandwidth_line(report.limits)}; the floor uses the median")
     vllm = vllm_cpu_reference(settings)
     if vllm:
         print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "

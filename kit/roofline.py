@@ -112,19 +112,19 @@ class DeviceLimits:
     matmul_size: int
     matmul_dtype: str
     matmul_flops_per_second: float
-    bandwidth_samples: tuple[float, ...] = ()  # every copy measurement of the run, in order
+    bandwidth_samples: tuple[float, ...]  # every copy measurement of the run, in order
 
     def with_samples(self, more) -> "DeviceLimits":
         """The copy measured again while the run went on (after each round of timed runs):
         `bandwidth` becomes the median of every measurement, so the floor reflects the whole
         run rather than its first second. On a shared machine a neighbour's memory traffic
         moves it: here 37-72 GB/s from one run to the next."""
-        samples = (*(self.bandwidth_samples or (self.bandwidth,)), *more)
+        samples = (*self.bandwidth_samples, *more)
         return replace(self, bandwidth=statistics.median(samples), bandwidth_samples=samples)
 
     def summary(self) -> dict:
-        samples = self.bandwidth_samples or (self.bandwidth,)
-        return {**self.__dict__, "bandwidth_min": min(samples), "bandwidth_max": max(samples)}
+        return {**self.__dict__, "bandwidth_min": min(self.bandwidth_samples),
+                "bandwidth_max": max(self.bandwidth_samples)}
 
 
 def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10):
