@@ -1,13 +1,19 @@
 """The kit: helpers behind the notebooks of a study kit on LLM serving memory and decode speed.
 
-Chapters: 00 setup check (`kit.device`), 01 memory profiling (`kit.model`, `kit.memory`),
-02 KV cache (`kit.kv_cache`, `kit.block_table`, `kit.widgets`), 03 compile strategies
-(`kit.compile`, `kit.strategies`), 04 decode timing (`kit.decode`, `kit.decode_bench`,
-`kit.roofline`), 05 vLLM side by side (`kit.vllm_bridge`,
-`kit.side_by_side`). Every chapter takes one `Settings` from `kit.config.load` and records through
-`kit.results`; `kit.runner` runs them headless and `kit.report` turns a run folder into HTML.
-"""
-from kit.config import ConfigError, Settings, load
+Layers, each importing only from those below it (tests/test_layers.py checks it):
 
-__all__ = ["ConfigError", "Settings", "load"]
+    kit.run       runner, results, report, bench, cli     (python -m kit ...)
+    kit.show      tables, plots, widgets                  what a learner looks at
+    kit.studies   one module per chapter, 00 to 05        the comparisons
+    kit.engine    model, KV cache, block tables, decode, runners, serving trace
+    kit.measure   device, timing, memory, roofline, step profile
+    kit.config    settings, model shapes, validation (and kit.errors)
+
+Every chapter takes one `Settings` from `kit.load` (in a notebook `kit.notebook_settings`) and
+records through `kit.run.results.Recorder`; `kit.run.runner` runs them headless.
+"""
+from kit.config import Settings, load, notebook_settings
+from kit.errors import ConfigError
+
+__all__ = ["ConfigError", "Settings", "load", "notebook_settings"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 import sys
 
-from kit.cli import main
+from kit.run.cli import main
 
 sys.exit(main())

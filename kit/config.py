@@ -1,9 +1,12 @@
-"""One validated configuration: the model's architecture and the run's settings.
+"""One validated configuration: the model's architecture and the run's settings (the bottom layer).
 
-Every chapter builds a `Settings` with `load(preset, **overrides)` and passes it down. Names
+Every chapter builds a `Settings` with `load(preset, **overrides)` (in a notebook,
+`notebook_settings(globals())` right after the parameters cell) and passes it down. Names
 follow vLLM's (`max_num_batched_tokens`, `max_num_seqs`, `gpu_memory_utilization`, ...), so a
 learner can move between the kit and the engine. Validation happens here, before any heavy
-work, and every error says what to change.
+work, and every error says what to change. The vocabularies the settings draw on (dtypes and
+their tolerances, KV cache dtypes, strategies) live here too, so validating imports no other
+module of the kit, and torch only to ask whether CUDA is present.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from kit.errors import ConfigError
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA / "models"
@@ -25,13 +30,20 @@ FAMILIES = {
     "gemma": {"attention_bias": False, "gemma_norm": True},
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Largest difference allowed between two computations of the same logits or outputs (paged
+# against no-cache, compiled against eager), relative to the reference's largest magnitude: a
+# few units in the last place of the dtype, grown through the layers (compiled code fuses and
+# reorders the arithmetic; a paged step rounds one token at a time). The README gives the
+# errors seen.
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
+# vLLM's kv_cache_dtype names -> bytes per element; "auto" means the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
+                   "fp8_e4m3": 1, "fp8_e5m2": 1}
+# Ways to run the model's step (kit.engine.runners); the `strategies` setting names some.
+STRATEGIES = ("eager", "stock", "guard_free", "bytecode_hook", "cuda_graphs")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
-
-
-class ConfigError(ValueError):
-    """A parameter is wrong; the message says which and what to change."""
 
 
 def known_names(folder: Path) -> list[str]:
@@ -110,16 +122,25 @@ class ModelConfig:
         name = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_dict(json.loads(path.read_text()), name)
 
-    def num_parameters(self) -> int:
-        """Parameter count from the shapes alone (the model's real count must equal it)."""
+    def layer_weights(self) -> int:
+        """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
             self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * layer + h + head
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    def linear_weights(self) -> int:
+        """Elements of every matrix a token is multiplied by: every layer's, and the LM head
+        (the embedding table itself when tied)."""
+        return self.num_hidden_layers * self.layer_weights() + self.vocab_size * self.hidden_size
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (the model's real count must equal it): the
+        matrices, the attention biases, every norm, and the input embedding when untied."""
+        h = self.hidden_size
+        bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
+            if self.attention_bias else 0
+        embed = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.linear_weights() + embed + self.num_hidden_layers * (bias + 2 * h) + h
 
     def hf_dict(self) -> dict:
         """The config.json that vLLM or transformers would read for this architecture."""
@@ -145,6 +166,26 @@ def check_tensor_parallel(arch: ModelConfig, tensor_parallel_size: int) -> None:
                           f"{arch.name}'s num_attention_heads={arch.num_attention_heads}")
 
 
+def available_strategies(device: str) -> tuple[str, ...]:
+    """The strategies that can run on `device` (CUDA graphs need a GPU)."""
+    return tuple(s for s in STRATEGIES if s != "cuda_graphs" or device == "cuda")
+
+
+def resolve_device(name: str) -> str:
+    """`auto` -> "cuda" when PyTorch sees a CUDA device, else "cpu"; "cuda" without one is
+    refused. Only these two ask torch (imported here, not when the kit is imported)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={name!r}: use 'auto', 'cpu' or 'cuda'")
+    if name == "cpu":
+        return name
+    import torch
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but this machine has no CUDA device "
+                          f"(torch {torch.__version__}); use device='auto' or 'cpu', or the "
+                          "cpu-small preset")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -166,6 +207,7 @@ def parse_bytes(value) -> int | None:
 @dataclass(frozen=True)
 class Settings:
     """The run's settings. Build it with `load()`; every chapter takes one."""
+    # `arch` (the ModelConfig of `model`) is set by __post_init__; it is derived, not a field.
 
     preset: str
     model: str
@@ -207,13 +249,13 @@ class Settings:
             raise ConfigError(f"input_len + output_len = {self.input_len + self.output_len} "
                               f"exceeds max_model_len={self.max_model_len}")
         check_tensor_parallel(arch, self.tensor_parallel_size)
-        from kit.kv_cache import cache_dtype_bytes
-        cache_dtype_bytes(self.kv_cache_dtype, "bfloat16")  # refuses an unknown name
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of "
+                              f"{list(KV_CACHE_DTYPES)}")
         if self.batch_size > self.max_num_seqs:
             raise ConfigError(f"batch_size={self.batch_size} is above max_num_seqs="
                               f"{self.max_num_seqs}; raise max_num_seqs or lower batch_size")
         object.__setattr__(self, "dtype", self._resolve_dtype(arch))
-        from kit.device import resolve_device  # torch import kept out of pure config loading
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "strategies", self._check_strategies())
 
@@ -229,25 +271,28 @@ class Settings:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
 
     def _check_strategies(self) -> tuple[str, ...] | None:
-        """None, a list or a comma-separated string of kit.compile's serving strategies, each
-        one known and usable on this device."""
+        """None, a list or a comma-separated string of STRATEGIES, each one known and usable
+        on this device."""
         if self.strategies is None:
             return None
-        from kit.compile import SERVING_STRATEGIES, available_strategies
         names = self.strategies.split(",") if isinstance(self.strategies, str) \
             else list(self.strategies)
         names = [n.strip() for n in names if n.strip()]
-        unknown = [n for n in names if n not in SERVING_STRATEGIES]
+        unknown = [n for n in names if n not in STRATEGIES]
         if unknown or not names:
             what = f"unknown strategies {unknown}" if unknown else "no strategy named"
             raise ConfigError(f"strategies={self.strategies!r}: {what}; known: "
-                              f"{list(SERVING_STRATEGIES)} (or None for all that apply)")
+                              f"{list(STRATEGIES)} (or None for all that apply)")
         usable = available_strategies(self.device)
         unusable = [n for n in names if n not in usable]
         if unusable:
             raise ConfigError(f"strategies {unusable} cannot run on device={self.device!r}; "
                               f"here use any of {list(usable)}")
         return tuple(dict.fromkeys(names))
+
+    def strategies_to_run(self) -> tuple[str, ...]:
+        """The strategies set, or every one that runs on the device."""
+        return self.strategies or available_strategies(self.device)
 
     def _resolve_dtype(self, arch: ModelConfig) -> str:
         dtype = arch.torch_dtype if self.dtype == "auto" else self.dtype
@@ -288,6 +333,16 @@ def load(preset: str = DEFAULT_PRESET, **overrides) -> Settings:
     return Settings(preset=preset, **values)
 
 
+def notebook_settings(namespace: dict) -> Settings:
+    """The settings of a notebook's parameters cell: `load(preset, **those parameters)`, read
+    from `namespace` (the notebook's `globals()`, right after the parameters cell). A notebook
+    declares the parameters it takes; each one's None keeps the preset's value."""
+    params = {k: namespace[k] for k in PARAMETERS if k in namespace}
+    return load(namespace.get("preset", DEFAULT_PRESET), **params)
+
+
 def reference(name: str = "seed") -> dict:
-    """Published numbers under data/reference/ (the seed's, vLLM's) shown beside measured ones."""
+    """Published numbers under data/reference/ shown beside measured ones: `seed` (vLLM PR
+    #7796, Gemma-2B on a GPU), `vllm_cpu` (vLLM's CPU engine as recorded), `mlp_probe` (the
+    chapter 03 issue's tiny-MLP measurement)."""
     return json.loads((DATA / "reference" / f"{name}.json").read_text())

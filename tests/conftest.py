@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.runner import run
+from kit.run.runner import run
 
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.

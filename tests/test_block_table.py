@@ -3,7 +3,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kit.block_table import BlockAllocator, OutOfBlocks
+from kit.engine.block_table import BlockAllocator, OutOfBlocks
 
 
 def invariants(a: BlockAllocator):

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kit.report import write_compare
-from kit.runner import NOTEBOOKS_DIR
+from kit.run.report import write_compare
+from kit.run.runner import NOTEBOOKS_DIR
 
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]

@@ -1,14 +1,17 @@
-"""The compile strategies (kit/compile.py) and their side-by-side comparison (kit/strategies.py)."""
+"""The runners of each strategy (kit/engine/runners.py) and chapter 03's plans side by side
+(kit/studies/compile_strategies.py)."""
 import json
 
 import pytest
 import torch
 
-from kit.cli import main
-from kit.compile import SERVING_STRATEGIES, make_runner
-from kit.config import ConfigError, load
-from kit.model import build_model, dummy_batch
-from kit.strategies import PLAN_NAMES, decode_batch_sizes, get_plans
+from kit.run.cli import main
+from kit.config import STRATEGIES, load
+from kit.engine.runners import make_runner
+from kit.engine.serving_trace import decode_batch_sizes
+from kit.errors import ConfigError
+from kit.engine.model import build_model, dummy_batch
+from kit.studies.compile_strategies import PLAN_NAMES, get_plans
 
 BATCHES = (4, 1, 2, 3, 8, 5)
 
@@ -97,9 +100,9 @@ def test_unknown_strategy_and_cuda_graphs_on_cpu_are_refused(model):
         make_runner(model.forward, "inductor", "cpu", (ids(4),))
     with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):
         make_runner(model.forward, "cuda_graphs", "cpu", (ids(4),))
-    with pytest.raises(ConfigError, match="unknown strategy"):
+    with pytest.raises(ConfigError, match="unknown plan"):
         get_plans(["eager", "fast"])
-    assert set(SERVING_STRATEGIES) <= {p.serve for p in get_plans()} | {"eager"}
+    assert set(STRATEGIES) <= {p.serve for p in get_plans()} | {"eager"}
 
 
 def test_decode_batch_sizes_visit_one_and_the_full_batch():
@@ -113,16 +116,16 @@ def test_decode_batch_sizes_visit_one_and_the_full_batch():
 
 def test_bench_command_prints_the_table_as_json(capsys):
     code = main(["bench", "compile", "-p", "max_num_batched_tokens=256", "--rounds", "2",
-                 "--calls", "2", "--no-probe", "--strategies", "profile_eager",
+                 "--calls", "2", "--no-probe", "--plans", "profile_eager",
                  "profile_compiled_discard", "cuda_graphs"])
     table = json.loads(capsys.readouterr().out)
-    assert code == 0 and [r["name"] for r in table["strategies"]] == [
+    assert code == 0 and [r["name"] for r in table["plans"]] == [
         "profile_eager", "profile_compiled_discard", "cuda_graphs"]
-    p3, p4, graphs = table["strategies"]
+    p3, p4, graphs = table["plans"]
     assert not graphs["available"] and "GPU" in graphs["reason"]
     assert p4["guards"] == p3["guards"] and p4["matches_eager"] and p3["matches_eager"]
     left = table["budget_bytes"] - table["weights_bytes"]
     bpb = table["bytes_per_block"]
     for r in (p3, p4):
         assert r["num_blocks"] == (left - r["peak_activation_bytes"]) // bpb
-    assert set(PLAN_NAMES) >= {r["name"] for r in table["strategies"]}
+    assert set(PLAN_NAMES) >= {r["name"] for r in table["plans"]}

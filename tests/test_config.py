@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from kit.config import ConfigError, ModelConfig, PARAMETERS, load, parse_bytes
+from kit.config import PARAMETERS, ModelConfig, load, parse_bytes
+from kit.errors import ConfigError
 
 # Published parameter counts of the real checkpoints these shapes come from.
 PUBLISHED_PARAMETERS = {"gemma-2b": 2_506_172_416, "llama-3.2-1b": 1_235_814_400,

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 import kit
-from kit.cli import main
-from kit.config import DTYPE_BYTES, ConfigError, ModelConfig
-from kit.decode import (TOLERANCE, blocks_needed, check_against_reference, generate,
+from kit.run.cli import main
+from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
+from kit.engine.decode import (blocks_needed, check_against_reference, generate,
                         make_prompts, new_batch, step_function)
-from kit.decode_bench import check_request, early_plan, run_decode
-from kit.kv_cache import KVCacheSpec, allocate
-from kit.model import build_model
-from kit.roofline import decode_step_cost, linear_weights, weight_bytes_per_step
-from kit.step_profile import GEMM, SAMPLING, profile_steps
+from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.model import build_model
+from kit.errors import ConfigError
+from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
+from kit.measure.step_profile import GEMM, SAMPLING, profile_steps
+from kit.studies.decode_timing import check_request, early_fit, run_decode
 
 
 def arch(heads, kv_heads, family="llama", **extra):
@@ -131,7 +132,7 @@ def test_too_many_tokens_for_the_cache_says_how_many_blocks_are_missing():
     # 4 sequences of 64 + 15 tokens need 5 blocks each: 20 blocks; the budget holds 10.
     s = kit.load("cpu-small", kv_cache_memory_bytes=10 * 32768)
     with pytest.raises(ConfigError, match="needs 20 KV cache blocks.*holds 10: 10 blocks missing"):
-        early_plan(s)
+        early_fit(s)
     with pytest.raises(ConfigError, match="10 blocks missing"):
         run_decode(s, progress=lambda m: None)
 
@@ -139,7 +140,7 @@ def test_too_many_tokens_for_the_cache_says_how_many_blocks_are_missing():
 def test_the_largest_possible_cache_is_checked_before_loading_anything():
     s = kit.load("cpu-small", device_memory="45MB")  # 0.9 × 45 MB < 40.6 MB of weights
     with pytest.raises(ConfigError, match="holds 0: 20 blocks missing"):
-        early_plan(s)
+        early_fit(s)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -182,7 +183,7 @@ def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
     assert "% of floor" in capsys.readouterr().out
     parts = eager["breakdown"]
     assert parts["steps"] == 3 and parts["gemm_seconds"] > 0
-    assert parts["gemm_weight_bytes"] == linear_weights(kit.load("cpu-small").arch) * 2
+    assert parts["gemm_weight_bytes"] == kit.load("cpu-small").arch.linear_weights() * 2
     assert sum(parts["shares"].values()) == pytest.approx(1.0)
 
 
@@ -202,8 +203,8 @@ def test_every_preset_lists_the_decode_settings(preset):
 def test_the_compiled_step_equals_the_reference_too():
     """The compiled attention (products summed, fused with the gather) on a multi-query model,
     across block edges, through a guard-free runner as chapter 04 times it."""
-    from kit.compile import make_runner
-    from kit.decode_bench import CPU_FREEZING
+    from kit.engine.decode import CPU_FREEZING
+    from kit.engine.runners import make_runner
     a = ARCHS["mqa"]
     model, prompts, batch, _ = paged_run(a, "float32")
     with torch.no_grad():
@@ -234,7 +235,8 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     a = ARCHS["gqa"]
     model, prompts, batch, _ = paged_run(a, "float32")
     batch.start(model, prompts)
-    parts = profile_steps(batch, step_function(model), 3, "eager", linear_weights(a) * 4)
+    step = step_function(model)
+    parts = profile_steps(lambda: batch.step(step), 3, "cpu", "eager", a.linear_weights() * 4)
     assert parts.steps == 3 and parts.gemm_seconds > 0 and parts.sampling_seconds > 0
     assert parts.gemm_seconds + parts.sampling_seconds <= parts.profiled_seconds
     assert sum(parts.scaled(0.01).values()) == pytest.approx(0.01)

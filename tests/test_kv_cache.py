@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from kit.config import ConfigError, ModelConfig, load
-from kit.kv_cache import (KVCacheSpec, allocate_measured, estimate_activation_bytes, kv_budget,
+from kit.config import ModelConfig, load
+from kit.engine.kv_cache import (KVCacheSpec, allocate_measured, estimate_activation_bytes, kv_budget,
                           layer_views, size_kv_cache, split_budget)
+from kit.errors import ConfigError
 
 GiB = 2**30
 # Bytes per token, computed by hand: 2 × layers × KV heads per rank × head_dim × dtype bytes.
@@ -77,9 +78,9 @@ def test_budget_below_one_block_and_max_model_len_that_does_not_fit():
 
 
 def test_explicit_kv_cache_size_overrides_the_profile():
-    assert kv_budget(load("cpu-small", kv_cache_memory_bytes="256MiB"), 10**9) == \
+    assert kv_budget(load("cpu-small", kv_cache_memory_bytes="256MiB"), "compiled", 10**9) == \
         (256 * 2**20, "kv_cache_memory_bytes")
-    assert kv_budget(load("cpu-small"), 10**9) == (10**9, "memory profile")
+    assert kv_budget(load("cpu-small"), "compiled", 10**9) == (10**9, "the compiled memory profile")
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "float32"])

@@ -1,9 +1,11 @@
 import pytest
 import torch
 
-from kit.config import ConfigError, load
-from kit.device import capacity_bytes, physical_memory_bytes
-from kit.memory import check_fits, no_kv_cache_message, probe_measurement, profile_memory
+from kit.config import load
+from kit.errors import ConfigError
+from kit.measure.device import capacity_bytes, physical_memory_bytes
+from kit.measure.memory import probe_measurement
+from kit.studies.memory_profiling import check_fits, no_kv_cache_message, profile_memory
 
 GiB = 2**30
 
@@ -65,7 +67,7 @@ def test_probe_measurement_is_exact():
 
 
 def test_outputs_of_compiled_profile_model_match_eager():
-    from kit.model import build_model, dummy_batch
+    from kit.engine.model import build_model, dummy_batch
     s = load("cpu-small", dtype="float32")
     model = build_model(s.arch, s.dtype, "cpu")
     ids = dummy_batch(64, 4, s.arch.vocab_size, "cpu")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kit.config import ModelConfig
-from kit.model import apply_rope, build_model, dummy_batch, rope_cos_sin, weights_bytes
+from kit.engine.model import apply_rope, build_model, dummy_batch, rope_cos_sin, weights_bytes
 
 
 def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):

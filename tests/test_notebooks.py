@@ -5,7 +5,7 @@ import json
 import nbformat
 import pytest
 
-from kit.runner import NOTEBOOKS_DIR, find_notebooks
+from kit.run.runner import NOTEBOOKS_DIR, find_notebooks
 
 CHAPTERS = [p.stem for p in find_notebooks([])]
 
@@ -56,7 +56,8 @@ def test_notebooks_are_stored_clean_and_workshop_ready(path):
 
 def test_chapter_00_gives_a_verdict(cpu_small_run):
     """The setup check ends in READY (here) and knows what to do for every check it makes."""
-    from kit.device import fix_for, readiness
+    from kit.show.tables import Verdict
+    from kit.studies.setup_check import fix_for, readiness
     _, _, folder = cpu_small_run
     recorded = json.loads((folder / "00_setup_check.json").read_text())
     assert recorded["results"]["ready"] is True and recorded["results"]["setup_check_seconds"] > 0
@@ -69,4 +70,4 @@ def test_chapter_00_gives_a_verdict(cpu_small_run):
     failed = [dict(c, ok=not c["name"].startswith("torch.compile")) for c in recorded["checks"]]
     verdict = readiness(failed, 12.0)
     assert not verdict.ready and [n for n, _ in verdict.todo] == ["torch.compile works here"]
-    assert "C++ compiler" in repr(verdict) and "NOT READY" in verdict._repr_html_()
+    assert "C++ compiler" in repr(verdict) and "NOT READY" in Verdict(verdict)._repr_html_()

@@ -4,9 +4,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kit.config import ConfigError
-from kit.cli import main
-from kit.runner import find_notebooks, parse_params, run
+from kit.errors import ConfigError
+from kit.run.cli import main
+from kit.run.runner import find_notebooks, parse_params, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

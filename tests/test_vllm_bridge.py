@@ -16,9 +16,9 @@ import pytest
 
 import kit
 from kit.config import MODELS_DIR, known_names
-from kit.kv_cache import KVCacheSpec
-from kit.side_by_side import agreement_grid, engine_agreement, kv_agreement
-from kit.vllm_bridge import run_engine, run_settings, vllm_missing
+from kit.engine.kv_cache import KVCacheSpec
+from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
+from kit.studies.vllm_bridge import run_engine, run_settings, vllm_missing
 
 pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
 
@@ -110,7 +110,7 @@ def test_without_vllm_the_bridge_says_so():
     """In a fresh interpreter where `import vllm` fails (as when it is not installed)."""
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import kit\n"
-            "from kit.vllm_bridge import run_engine, vllm_kv_sizing, vllm_missing\n"
+            "from kit.studies.vllm_bridge import run_engine, vllm_kv_sizing, vllm_missing\n"
             "r = run_engine('.', 'eager')\n"
             "s = vllm_kv_sizing(kit.load().arch, 2**28, block_size=128, max_model_len=1024)\n"
             "print(vllm_missing()); print(r.error); print(s.error)")
@@ -123,7 +123,7 @@ def test_without_vllm_the_bridge_says_so():
 
 def test_the_kits_decode_plugs_in():
     """The kit's side of the decode comparison: chapter 04's timing, same batch shape."""
-    from kit.side_by_side import kit_decode_steps
+    from kit.studies.vllm_side_by_side import kit_decode_steps
     settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
     (eager,) = kit_decode_steps(settings, ("eager",), decode_steps=8).values()
     assert eager.strategy == "eager" and eager.error is None
@@ -132,7 +132,7 @@ def test_the_kits_decode_plugs_in():
 
 
 def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
-    from kit.vllm_bridge import write_model_folder
+    from kit.studies.vllm_bridge import write_model_folder
     if kit.load().device != "cpu":
         pytest.skip("vLLM's CPU attention is the one that takes multiples of 32 only")
     folder = write_model_folder(kit.config.ModelConfig.load("tiny"), tmp_path / "tiny")

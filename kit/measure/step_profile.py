@@ -4,10 +4,7 @@ the matrix products that stream the weights, greedy sampling, and everything els
 The bandwidth floor says what a step *could* take; this says what its parts *do* take. The
 matrix products read every weight once per step, so their time alone gives the rate at which
 the device's matrix library streams weights at this batch size: the ceiling for any strategy
-built on that library. On the 2-core CPU here, oneDNN's bf16 kernels stream prepacked weights
-at a decode batch of 8 at 30-38 GB/s, steadily, while a plain copy measured 37-72 GB/s from
-run to run (a shared machine): 50-90% of it, and one token alone is barely faster. No strategy
-built on them gets nearer the floor than that.
+built on that library (the README gives the rates seen).
 
 The profiled steps are extra steps, run after the timed ones; profiling slows a step a little,
 so the parts are reported as shares of the profiled step and as milliseconds scaled to the
@@ -21,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kit.device import synchronize
+from kit.measure.device import synchronize
 
 # Event names of the products with the weights: ATen's and oneDNN's on the CPU (a linear is
 # aten::mm or aten::addmm; Inductor calls the prepacked oneDNN linear as
@@ -94,17 +91,17 @@ def split_events(events, device: str) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def profile_steps(batch, step, steps: int, strategy: str, gemm_weight_bytes: int) -> StepBreakdown:
-    """`steps` decode steps of `batch` (already started, with room for them in its block
-    table) through `step`, under torch.profiler."""
+def profile_steps(step, steps: int, device: str, strategy: str,
+                  gemm_weight_bytes: int) -> StepBreakdown:
+    """`steps` calls of `step()` (one decode step each) under torch.profiler, split into parts;
+    `gemm_weight_bytes`: what the weight matmuls of one step read."""
     from torch.profiler import ProfilerActivity, profile
-    device = batch.kv_cache.device.type
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     synchronize(device)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            batch.step(step)
+            step()
         synchronize(device)
         wall = time.perf_counter() - t0
     gemm, sampling = split_events(prof.key_averages(), device)

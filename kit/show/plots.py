@@ -1,4 +1,5 @@
-"""Figures for the chapters (plotly), so notebooks stay thin."""
+"""Figures for the chapters (plotly), so notebooks stay thin. Each takes what a study measured
+and draws it; none measures anything."""
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -9,7 +10,8 @@ COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "non-torch": "#937860"
 
 
 def memory_breakdown(profiles: dict) -> go.Figure:
-    """Stacked bars, one per strategy: where the device's memory goes."""
+    """Stacked bars, one per profile (chapter 01's eager and compiled): where the device's
+    memory goes."""
     fig = go.Figure()
     names = list(profiles)
     parts = {
@@ -28,7 +30,7 @@ def memory_breakdown(profiles: dict) -> go.Figure:
 
 
 def activation_bars(profiles: dict) -> go.Figure:
-    """Peak activation bytes per strategy: the number the KV cache budget depends on."""
+    """Peak activation bytes per profile: the number the KV cache budget depends on."""
     fig = go.Figure(go.Bar(x=list(profiles),
                            y=[p.peak_activation_bytes / MiB for p in profiles.values()],
                            marker_color=COLORS["activations"],
@@ -39,7 +41,7 @@ def activation_bars(profiles: dict) -> go.Figure:
 
 
 def memory_timeline(profiles: dict) -> go.Figure:
-    """Live bytes above weights + inputs over the profiling forward, one line per strategy."""
+    """Live bytes above weights + inputs over the profiling forward, one line per profile."""
     fig = go.Figure()
     for name, p in profiles.items():
         fig.add_scatter(x=p.timeline_ms, y=[b / MiB for b in p.timeline_bytes], name=name,
@@ -116,10 +118,10 @@ def step_parts(timings: dict, floor_seconds: float) -> go.Figure:
     return fig
 
 
-def strategy_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
-                  fmt: str = "{:,.2f}") -> go.Figure:
-    """One bar per strategy of `row[key] * scale` (chapter 03); strategies without the value
-    (not run here, or not applicable) are named on the axis with an empty bar."""
+def plan_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
+              fmt: str = "{:,.2f}") -> go.Figure:
+    """One bar per plan of `row[key] * scale` (chapter 03); plans without the value (not run
+    here, or not applicable) are named on the axis with an empty bar."""
     names = [r["name"] for r in rows]
     values = [None if r.get(key) is None else r[key] * scale for r in rows]
     fig = go.Figure(go.Bar(x=names, y=values,
@@ -129,12 +131,12 @@ def strategy_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: flo
 
 
 def per_call_bars(rows: list[dict]) -> go.Figure:
-    """Per-call time at decode shape through each strategy, beside the same compiled graph
-    called directly (the gap is Dynamo's per-call cost), in µs."""
+    """Per-call time at decode shape through each plan's serving runner, beside the same
+    compiled graph called directly (the gap is Dynamo's per-call cost), in µs."""
     rows = [r for r in rows if r.get("forward_seconds") is not None]
     names = [r["name"] for r in rows]
     fig = go.Figure()
-    fig.add_bar(name="through the strategy", x=names, y=[r["forward_seconds"] * 1e6 for r in rows])
+    fig.add_bar(name="through the runner", x=names, y=[r["forward_seconds"] * 1e6 for r in rows])
     fig.add_bar(name="compiled graph called directly", x=names,
                 y=[None if r["direct_seconds"] is None else r["direct_seconds"] * 1e6
                    for r in rows])
@@ -162,41 +164,6 @@ def batch_size_trace(sizes: list[int]) -> go.Figure:
     fig.update_layout(xaxis_title="decode step", yaxis_title="batch size (sequences)",
                       title="Decode batch sizes over the steps of a serving trace")
     return fig
-
-
-def fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n} B"
-
-
-class Table:
-    """A small table that shows as HTML in JupyterLab and as text in logs."""
-
-    def __init__(self, rows: list[dict], title: str = ""):
-        self.rows, self.title = rows, title
-        self.columns = list(dict.fromkeys(k for r in rows for k in r))
-
-    def _cells(self, row):
-        return [str(row.get(c, "")) for c in self.columns]
-
-    def __repr__(self):
-        widths = [max([len(c)] + [len(self._cells(r)[i]) for r in self.rows])
-                  for i, c in enumerate(self.columns)]
-        lines = [self.title] if self.title else []
-        lines.append("  ".join(c.ljust(w) for c, w in zip(self.columns, widths)))
-        lines += ["  ".join(v.ljust(w) for v, w in zip(self._cells(r), widths)) for r in self.rows]
-        return "\n".join(lines)
-
-    def _repr_html_(self):
-        head = "".join(f"<th>{c}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in self._cells(r)) + "</tr>"
-                       for r in self.rows)
-        caption = f"<caption>{self.title}</caption>" if self.title else ""
-        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def kv_calculator(split, title: str = "") -> go.Figure:

@@ -48,6 +48,16 @@ class Recorder:
                      "results": {}, "checks": [], "figures": []}
         self._save()
 
+    @property
+    def folder(self) -> Path:
+        """The run folder this record (and the chapter's other files) goes to."""
+        return self.path.parent
+
+    def recorded(self, chapter: str) -> dict | None:
+        """What another chapter recorded in this run folder (its JSON), or None."""
+        path = self.folder / f"{chapter}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
     def _save(self):
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
 

@@ -1,9 +1,10 @@
-"""Ways to run a step function, side by side (chapter 03; chapter 04 times decode with them).
+"""Runners: a step function run by one strategy (chapter 03 compares them; chapters 01, 04 and
+05 run the model's steps through them).
 
     runner = make_runner(model.forward, "guard_free", device, (input_ids,))
     hidden = runner(input_ids)            # any batch size; no guards, no recompiles
 
-Serving strategies (`SERVING_STRATEGIES`):
+The strategies (`kit.config.STRATEGIES`), each a way of running the model:
 
 - `eager`: the function itself.
 - `stock`: `torch.compile` (Inductor) with the batch dimension marked dynamic; Dynamo looks
@@ -31,22 +32,17 @@ import weakref
 
 import torch
 
-from kit.config import ConfigError
-from kit.device import synchronize
+from kit.config import STRATEGIES
+from kit.errors import ConfigError
+from kit.measure.device import synchronize
 
-SERVING_STRATEGIES = ("eager", "stock", "guard_free", "bytecode_hook", "cuda_graphs")
 # input_ids [num_seqs, seq_len]: the number of sequences (the decode batch) varies.
 DEFAULT_DYNAMIC_DIMS = {0: (0,)}
 # vLLM's default decode batch sizes to capture, up to max_num_seqs.
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 512)
 
 
-def available_strategies(device: str) -> tuple[str, ...]:
-    """The serving strategies that can run on `device` (CUDA graphs need a GPU)."""
-    return tuple(s for s in SERVING_STRATEGIES if s != "cuda_graphs" or device == "cuda")
-
-
-def check_strategy(strategy: str, known=SERVING_STRATEGIES) -> None:
+def check_strategy(strategy: str, known=STRATEGIES) -> None:
     if strategy not in known:
         raise ConfigError(f"unknown strategy {strategy!r}: use one of {list(known)}")
 
@@ -260,7 +256,7 @@ class CUDAGraphs(Runner):
     def __init__(self, fn, device: str, dynamic_dims: dict, capture_sizes):
         if device != "cuda":
             raise ConfigError(f"cuda_graphs needs a CUDA device (device={device!r}); "
-                              f"on this machine use one of {list(SERVING_STRATEGIES[:-1])}")
+                              f"on this machine use one of {list(STRATEGIES[:-1])}")
         if any(as_dims(d) != (0,) for d in dynamic_dims.values()):
             raise ConfigError("cuda_graphs pads the batch along dimension 0 only: give "
                               "dynamic_dims as {argument index: 0}")
@@ -333,7 +329,7 @@ class CUDAGraphs(Runner):
 def make_runner(fn, strategy: str, device: str, example_args: tuple,
                 dynamic_dims: dict | None = None, capture_sizes=None,
                 inductor_config: dict | None = None) -> Runner:
-    """`fn` run by `strategy` (one of SERVING_STRATEGIES), already warm: its first call, with
+    """`fn` run by `strategy` (one of STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
     index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up

@@ -8,19 +8,31 @@ The arithmetic is vLLM's, written once here and shown in the notebooks:
     max concurrency = num_blocks / ceil(max_model_len / block_size)
 
 With tensor parallelism each rank holds max(1, num_kv_heads // tp) heads: heads are replicated
-when there are fewer KV heads than ranks, as vLLM does. Only `allocate` needs torch.
+when there are fewer KV heads than ranks, as vLLM does. The budget the cache gets is vLLM's too:
+capacity × gpu_memory_utilization (`memory_budget`), less what the profiling run measured
+(chapter 01), or `kv_cache_memory_bytes` when given (`kv_budget`). Only the allocation needs
+torch.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from kit.config import DTYPE_BYTES, ConfigError, check_tensor_parallel
+from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_tensor_parallel
+from kit.errors import ConfigError
 
 GiB = 2**30
-# vLLM's kv_cache_dtype names -> bytes per element; "auto" means the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,
-                   "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def memory_budget(capacity_bytes: int, gpu_memory_utilization: float) -> int:
+    """The memory the engine may use: capacity × gpu_memory_utilization (vLLM's requested
+    memory), which weights, activations and the KV cache share."""
+    return int(capacity_bytes * gpu_memory_utilization)
+
+
+def device_label(device: str) -> str:
+    """How vLLM names the device in its log lines ("GPU" for CUDA, else "CPU", ...)."""
+    return "GPU" if device == "cuda" else device.upper()
 
 
 def cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
@@ -84,7 +96,7 @@ class KVCacheSizing:
     spec: KVCacheSpec
     budget_bytes: int
     max_model_len: int
-    device_name: str = "GPU"
+    device_label: str = "GPU"  # as vLLM's log line names the device (`device_label`)
 
     @property
     def num_blocks(self) -> int:
@@ -105,7 +117,7 @@ class KVCacheSizing:
 
     def log_line(self) -> str:
         """The line vLLM logs at start-up, to match against an engine's log."""
-        return (f"{self.device_name} KV cache size: {self.num_tokens:,} tokens, Maximum "
+        return (f"{self.device_label} KV cache size: {self.num_tokens:,} tokens, Maximum "
                 f"concurrency for {self.max_model_len:,} tokens per request: "
                 f"{self.max_concurrency:.2f}x")
 
@@ -118,12 +130,12 @@ class KVCacheSizing:
 
 
 def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
-                  device_name: str = "GPU") -> KVCacheSizing:
+                  device_label: str = "GPU") -> KVCacheSizing:
     """Blocks for `budget_bytes`; refuses, as vLLM does, a cache that cannot hold one block or
     one request of max_model_len tokens, naming the largest max_model_len that would fit.
     vLLM keeps one block back (its block pool's null block), so one request needs one block
     more than its tokens fill (vllm/v1/core/kv_cache_utils.py, `get_kv_cache_configs`)."""
-    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_name)
+    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_label)
     if sizing.num_blocks < 1:
         raise ConfigError(
             f"the KV cache budget of {budget_bytes:,} bytes is smaller than one block of "
@@ -139,19 +151,15 @@ def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
     return sizing
 
 
-def kv_budget(settings, profile_kv_cache_bytes: int | None) -> tuple[int, str]:
-    """The KV budget and where it came from: `kv_cache_memory_bytes` overrides the profile, as
-    vLLM's option of that name does."""
+def kv_budget(settings, profile: str, profile_kv_cache_bytes: int | None) -> tuple[int, str]:
+    """The KV budget and where it came from: `kv_cache_memory_bytes` when given (it overrides
+    any profile, as vLLM's option of that name does), else what the memory profile named
+    `profile` ("eager" or "compiled", chapter 01) left for the cache."""
     if settings.kv_cache_memory_bytes is not None:
         return settings.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     if profile_kv_cache_bytes is None:
         raise ConfigError("no KV budget: give kv_cache_memory_bytes or a memory profile")
-    return profile_kv_cache_bytes, "memory profile"
-
-
-def device_name(device: str) -> str:
-    """How vLLM names the device in its KV cache log line."""
-    return "GPU" if device == "cuda" else device.upper()
+    return profile_kv_cache_bytes, f"the {profile} memory profile"
 
 
 def torch_cache_dtype(spec: KVCacheSpec, model_dtype: str):
@@ -177,9 +185,10 @@ def layer_views(cache) -> list:
 
 def allocate_measured(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
     """Allocate the cache and measure what it cost: (cache, bytes the allocation added)."""
-    from kit.memory import allocated_by
-    cache, added, _ = allocated_by(lambda: allocate(spec, num_blocks, model_dtype, device), device)
-    return cache, added
+    from kit.measure.memory import measure_allocations
+    measured = measure_allocations(lambda: allocate(spec, num_blocks, model_dtype, device),
+                                   device, timeline=False)
+    return measured.result, measured.left_bytes
 
 
 def estimate_activation_bytes(arch, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
@@ -202,7 +211,7 @@ class BudgetSplit:
 
     @property
     def budget_bytes(self) -> int:
-        return int(self.capacity_bytes * self.gpu_memory_utilization)
+        return memory_budget(self.capacity_bytes, self.gpu_memory_utilization)
 
     @property
     def reserved_bytes(self) -> int:
@@ -216,13 +225,13 @@ class BudgetSplit:
 def split_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utilization: float,
                  activation_bytes: int, block_size: int, kv_cache_dtype: str,
                  max_model_len: int, tensor_parallel_size: int = 1,
-                 device: str = "GPU") -> BudgetSplit:
+                 device_label: str = "GPU") -> BudgetSplit:
     """The calculator's arithmetic for one rank. Weights are split evenly over the ranks (vLLM
     shards the linear layers and the embedding; the small norms are replicated)."""
     weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
-    budget = int(capacity_bytes * gpu_memory_utilization)
+    budget = memory_budget(capacity_bytes, gpu_memory_utilization)
     spec = KVCacheSpec.for_model(arch, block_size, model_dtype, kv_cache_dtype,
                                  tensor_parallel_size)
     kv = max(0, budget - weights - activation_bytes)
     return BudgetSplit(capacity_bytes, gpu_memory_utilization, weights, activation_bytes,
-                       KVCacheSizing(spec, kv, max_model_len, device))
+                       KVCacheSizing(spec, kv, max_model_len, device_label))

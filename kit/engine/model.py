@@ -20,12 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kit.config import ModelConfig
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
+from kit.measure.device import torch_dtype
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +55,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
-    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (kit.kv_cache)
+    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (kit.engine.kv_cache)
     slot_mapping: [tokens] flat slot (block × block_size + offset) of each token's K and V
     block_tables: [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
     context_lens: [num_seqs] tokens each sequence attends to (its new token included)
@@ -106,9 +101,8 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
-    # which Inductor turns into one kernel that gathers through the table as it goes. One
-    # layer of qwen2.5-0.5b at batch 8 and 144 positions, 2 CPU threads: 84 µs compiled this
-    # way, 174 µs compiled as matmuls, about 250 µs eagerly.
+    # which Inductor turns into one kernel that gathers through the table as it goes (faster
+    # than compiled matmuls; the README gives the times seen).
     if torch.compiler.is_compiling():
         qg = q.view(num_seqs, kv_heads, group, 1, head_dim).float()
         scores = (qg * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1)

@@ -4,7 +4,7 @@
 
 Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
 each chapter's recorded results and checks (JSON), its figures, `summary.json` with the
-parameters, device and versions, and `report.html` (kit/report.py). A failing notebook does not
+parameters, device and versions, and `report.html` (kit/run/report.py). A failing notebook does not
 stop the others; the summary names its failing cell. The exit status is non-zero when any
 notebook or check failed.
 """
@@ -17,7 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, ConfigError, known_names, load
+from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
+from kit.errors import ConfigError
+from kit.run.results import RUN_DIR_ENV
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
@@ -140,8 +142,8 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     declared = validate(preset, notebooks, params)
     settings = load(preset, **{k: v for k, v in params.items() if k != "preset"})
     run_path = new_run_dir(Path(out or Path.cwd() / "runs"), preset)
-    os.environ["KIT_RUN_DIR"] = str(run_path)
-    from kit.device import describe, versions
+    os.environ[RUN_DIR_ENV] = str(run_path)
+    from kit.measure.device import describe, versions
     summary = {"preset": preset, "parameters": params, "settings": settings.as_dict(),
                "machine": describe(settings.device), "versions": versions(), "notebooks": []}
     t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
         summary["seconds"] = round(time.perf_counter() - t0, 2)
         (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print_summary(summary["notebooks"], run_path)
-    from kit.report import write_report_safely
+    from kit.run.report import write_report_safely
     write_report_safely(run_path)  # never changes the exit status
     return (0 if all(s["ok"] for s in summary["notebooks"]) else 1), run_path
 

@@ -35,6 +35,9 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from kit.engine.kv_cache import device_label
+from kit.measure.timing import Timings
+
 # Keep vLLM's engine core in this process: no worker processes, works without a main guard.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -171,9 +174,9 @@ def size_with_vllm_config(vllm_config, budget_bytes: int) -> VLLMKVSizing:
     sched = generate_scheduler_kv_cache_config(configs)
     tokens, concurrency = get_kv_cache_capacity(vllm_config, sched)
     max_model_len = vllm_config.model_config.max_model_len
-    device = vllm_config.device_config.device_type
-    line = (f"{'GPU' if device == 'cuda' else device.upper()} KV cache size: {tokens:,} tokens, "
-            f"Maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x")
+    line = (f"{device_label(vllm_config.device_config.device_type)} KV cache size: "
+            f"{tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per request: "
+            f"{concurrency:.2f}x")
     return VLLMKVSizing(sched.num_blocks, block_size, page, page * len(specs), tokens,
                         concurrency, line)
 
@@ -244,7 +247,6 @@ class EngineRun:
     @property
     def decode_step_spread(self) -> float | None:
         """p90 - p10 of the per-step samples, in seconds."""
-        from kit.device import Timings
         return Timings(self.decode_step_seconds).spread if self.decode_step_seconds else None
 
     def summary(self) -> dict:

@@ -16,8 +16,8 @@ import json
 import math
 from pathlib import Path
 
-from kit.config import ConfigError
-from kit.plots import fmt_bytes
+from kit.errors import ConfigError
+from kit.show.tables import fmt_bytes
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"

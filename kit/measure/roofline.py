@@ -14,7 +14,8 @@ A decode step feeds one new token per sequence. However it is implemented, it mu
 
 and it computes 2 FLOPs per weight per token for the matrix products plus 4 × heads × head_dim
 per layer per attended token (scores and the weighted sum of values). The arithmetic here is
-pure Python; only the two measurements import torch.
+pure Python (the shapes come from `kit.config.ModelConfig`); only the two measurements import
+torch.
 """
 from __future__ import annotations
 
@@ -23,18 +24,10 @@ from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig
 
-COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}  # each of source and destination: well past
-#                                                    the last-level cache (32 MiB L3 here, 60 MB
-#                                                    L2 on an H100/H200)
+# Bytes of each of a copy's source and destination: well past any CPU's last-level cache, and
+# a GPU's L2.
+COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
 MATMUL_SIZE = {"cpu": 2048, "cuda": 8192}
-
-
-def linear_weights(arch: ModelConfig) -> int:
-    """Elements of every matrix a token is multiplied by: projections, MLP and LM head."""
-    h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, \
-        arch.num_key_value_heads * arch.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
-    return arch.num_hidden_layers * per_layer + arch.vocab_size * h
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ def decode_step_cost(arch: ModelConfig, dtype_bytes: int, kv_bytes_per_token: in
         kv_read_bytes=(attended - num_seqs) * kv_bytes_per_token,
         kv_write_bytes=num_seqs * kv_bytes_per_token,
         logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
-        flops=2 * num_seqs * linear_weights(arch) + attention_flops)
+        flops=2 * num_seqs * arch.linear_weights() + attention_flops)
 
 
 def formula(cost: StepCost, bandwidth: float) -> str:
@@ -117,8 +110,8 @@ class DeviceLimits:
     def with_samples(self, more) -> "DeviceLimits":
         """The copy measured again while the run went on (after each round of timed runs):
         `bandwidth` becomes the median of every measurement, so the floor reflects the whole
-        run rather than its first second. On a shared machine a neighbour's memory traffic
-        moves it: here 37-72 GB/s from one run to the next."""
+        run rather than its first second (on a shared machine a neighbour's memory traffic
+        moves it)."""
         samples = (*self.bandwidth_samples, *more)
         return replace(self, bandwidth=statistics.median(samples), bandwidth_samples=samples)
 
@@ -132,7 +125,7 @@ def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10)
     bandwidth it implies: 2 × nbytes (read and written) / time."""
     import torch
 
-    from kit.device import time_fn
+    from kit.measure.timing import time_fn
     nbytes = nbytes or COPY_BYTES.get(device, COPY_BYTES["cpu"])
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)  # first touched by the warm-up copies, outside the timing
@@ -145,8 +138,8 @@ def measure_matmul(device: str, dtype: str, size: int | None = None, repeats: in
     """FLOP/s of a square matmul in `dtype`: the compute roof a step could at best reach."""
     import torch
 
-    from kit.device import time_fn
-    from kit.model import torch_dtype
+    from kit.measure.device import torch_dtype
+    from kit.measure.timing import time_fn
     size = size or MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
     a = torch.randn(size, size, device=device).to(torch_dtype(dtype))
     b = torch.randn(size, size, device=device).to(torch_dtype(dtype))

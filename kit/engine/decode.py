@@ -1,5 +1,5 @@
-"""Decode over the paged KV cache (chapter 04): prefill, timed decode steps, and a no-cache
-reference to check them against (timing per strategy: `kit.decode_bench`).
+"""Decode over the paged KV cache (chapters 04, 05): prefill, timed decode steps, and a no-cache
+reference to check them against (timing per strategy: `kit.studies.decode_timing`).
 
 A batch of prompts is prefilled into the cache through chapter 02's `BlockAllocator`; then each
 decode step feeds one token per sequence, and its attention reads keys and values back through
@@ -19,18 +19,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kit.block_table import BlockAllocator
-from kit.config import ConfigError, Settings
-from kit.device import synchronize
-from kit.kv_cache import KVCacheSpec, allocate
-from kit.model import AttentionMetadata, Decoder
+from kit.config import TOLERANCE, Settings
+from kit.engine.block_table import BlockAllocator
+from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.model import AttentionMetadata, Decoder
+from kit.engine.runners import Runner, make_runner
+from kit.errors import ConfigError
+from kit.measure.device import synchronize
+from kit.measure.timing import StepClock
 
-# Largest |paged - reference| allowed, relative to the reference logits' largest magnitude.
-# bf16 keeps 8 bits of mantissa (0.4% per rounding); the two paths round at different places
-# (one token at a time against the whole sequence), and the error grows through the layers:
-# seen up to 0.7% on 2 to 4 layers and 1.8% on qwen2.5-0.5b's 24, against 10-17% for a step
-# that reads its context one token short.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
+# prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers (faster at a
+# decode batch; the README gives the rates seen). The frozen copy costs one more copy of the
+# weights while the runner lives.
+CPU_FREEZING = {"freezing": True}
 
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
@@ -76,8 +78,7 @@ def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row. Taken in float32: on the CPU, argmax over bfloat16
-    logits runs about 5× slower (qwen2.5-0.5b's 151,936 logits × 8 rows: 2.2 ms against 0.4 ms
-    with the conversion), a tenth of a decode step."""
+    logits runs several times slower than the conversion and a float32 argmax together."""
     return logits.float().argmax(-1)
 
 
@@ -168,33 +169,6 @@ def step_function(model: Decoder):
 
 
 # --- running and timing ----------------------------------------------------------------------
-
-class StepClock:
-    """Per-step times: CUDA events on a GPU (read once at the end, so timing never stalls the
-    queue), a monotonic clock on the CPU. Only what lies between `start` and `stop` counts."""
-
-    def __init__(self, device: str):
-        self.cuda, self.marks = device == "cuda", []
-
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start(self):
-        self.marks.append([self._mark()])
-
-    def stop(self):
-        self.marks[-1].append(self._mark())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            self.marks[-1][1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
-        return [b - a for a, b in self.marks]
-
 
 @dataclass
 class Generation:
@@ -295,3 +269,31 @@ def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
     """The cache tensor ([num_layers, 2, num_blocks, block_size, kv_heads, head_dim])."""
     return allocate(KVCacheSpec.from_settings(settings), num_blocks, settings.dtype,
                     settings.device)
+
+
+def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = False,
+                  seed_offset: int = 0) -> tuple[PagedBatch, list[torch.Tensor]]:
+    """The settings' batch on `kv_cache`: `batch_size` prompts of `input_len` tokens (or, with
+    `mixed`, of lengths between about half of it and all of it) drawn from the seed, and a
+    batch with room for `output_len - 1` decode steps."""
+    lengths = prompt_lengths(settings.batch_size, settings.input_len, mixed)
+    prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed + seed_offset)
+    return new_batch(kv_cache, lengths, settings.output_len - 1), prompts
+
+
+@torch.no_grad()
+def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                  strategy: str) -> Runner:
+    """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
+    running the first step of a fresh run of `batch`, which is left ready for its second step.
+    Shapes are fixed by the batch (nothing marked dynamic); a CUDA graph is captured for
+    exactly this batch size, on the batch's own tensors, so no padded row ever writes. On the
+    CPU, compiled strategies freeze the weights (CPU_FREEZING)."""
+    device = batch.kv_cache.device.type
+    batch.start(model, prompts)
+    batch.make_room()
+    runner = make_runner(step_function(model), strategy, device, batch.step_args(),
+                         dynamic_dims={}, capture_sizes=[len(prompts)],
+                         inductor_config=CPU_FREEZING if device == "cpu" else None)
+    batch.positions.add_(1)  # the runner's first call was the step at these positions
+    return runner

@@ -1,26 +1,25 @@
 """Chapter 05: the kit's numbers beside the real vLLM's, for the same config and KV budget.
 
-- KV blocks: the kit's arithmetic (`kit.kv_cache`) against vLLM's own KV cache code
-  (`kit.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and cache
-  dtype; and against a started engine for the chapter's model.
-- Decode step time: the kit's decode loop (`kit_decode_steps`, chapter 04's `kit.decode_bench`) against
-  vLLM's engine loop (`kit.vllm_bridge.run_settings`), eager and compiled.
+- KV blocks: the kit's arithmetic (`kit.engine.kv_cache`) against vLLM's own KV cache code
+  (`kit.studies.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and
+  cache dtype; and against a started engine for the chapter's model.
+- Decode step time: the kit's decode loop (`kit_decode_steps`, chapter 04's timing) against
+  vLLM's engine loop (`kit.studies.vllm_bridge.run_settings`), eager and compiled.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from statistics import median
 
-import kit
-from kit.config import ConfigError
-from kit.kv_cache import KVCacheSpec, size_kv_cache
-from kit.vllm_bridge import VLLMKVSizing, vllm_kv_sizing
-
-
-
-def device_label(device: str) -> str:
-    """How vLLM names the device in its log lines."""
-    return "GPU" if device == "cuda" else device.upper()
+from kit.config import ModelConfig, load, parse_bytes
+from kit.engine.decode import blocks_needed, decode_inputs, kv_cache_for, prompt_lengths
+from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
+from kit.engine.model import build_model
+from kit.errors import ConfigError
+from kit.studies.decode_timing import time_strategies
+from kit.studies.vllm_bridge import MODES, EngineRun, VLLMKVSizing, run_settings, vllm_kv_sizing
 
 
 @dataclass
@@ -83,11 +82,11 @@ def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
     out = []
     for model, budget, block_size, cache_dtype, tp in itertools.product(
             models, budgets, block_sizes, cache_dtypes, tensor_parallel_sizes):
-        arch = kit.config.ModelConfig.load(model)
-        settings = kit.load(preset, model=model, block_size=block_size,
-                            kv_cache_dtype=cache_dtype, tensor_parallel_size=tp,
-                            max_model_len=min(max_model_len, arch.max_position_embeddings))
-        out.append(kv_agreement(settings, kit.config.parse_bytes(budget)))
+        arch = ModelConfig.load(model)
+        settings = load(preset, model=model, block_size=block_size, kv_cache_dtype=cache_dtype,
+                        tensor_parallel_size=tp,
+                        max_model_len=min(max_model_len, arch.max_position_embeddings))
+        out.append(kv_agreement(settings, parse_bytes(budget)))
     return out
 
 
@@ -121,7 +120,6 @@ class KitDecode:
 
     @property
     def median(self) -> float | None:
-        from statistics import median
         return median(self.step_seconds) if self.step_seconds else None
 
 
@@ -135,28 +133,20 @@ def kit_strategy(mode: str, device: str) -> str:
 
 def kit_decode_steps(settings, modes=("eager", "compiled"),
                      decode_steps: int = 90) -> dict[str, KitDecode]:
-    """THE PLUG POINT for the kit's decode timing (chapter 04, `kit.decode_bench`): per-step
-    seconds of the kit's paged decode of `settings.batch_size` prompts of `settings.input_len`
-    tokens, `settings.output_len - 1` decode steps after the prefill, in a cache of the blocks
-    the run needs, for each mode's strategy (`kit_strategy`). After a warm-up (compilation)
-    per strategy, the strategies take turns over whole generations until about `decode_steps`
-    steps each are timed, so a noisy neighbour slows them alike."""
+    """Per-step seconds of the kit's paged decode (chapter 04's timing) of
+    `settings.batch_size` prompts of `settings.input_len` tokens, `settings.output_len - 1`
+    decode steps after the prefill, in a cache of the blocks the run needs, for each mode's
+    strategy (`kit_strategy`). After a warm-up (compilation) per strategy, the strategies take
+    turns over whole generations until about `decode_steps` steps each are timed, so a noisy
+    neighbour slows them alike."""
     strategies = {mode: kit_strategy(mode, settings.device) for mode in modes}
-    try:
-        from kit.decode import (blocks_needed, kv_cache_for, make_prompts, new_batch,
-                                prompt_lengths)
-        from kit.decode_bench import time_strategies
-        from kit.model import build_model
-    except ImportError as e:
-        return {mode: KitDecode(mode, s, [], None, error=f"the kit's decode timing (chapter 04) "
-                                f"is missing: {e}") for mode, s in strategies.items()}
     steps = settings.output_len - 1
     lens = prompt_lengths(settings.batch_size, settings.input_len)
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
     kv_cache = kv_cache_for(settings, blocks_needed(lens, steps, settings.block_size))
-    prompts = make_prompts(lens, settings.arch.vocab_size, settings.seed)
-    timings = time_strategies(model, new_batch(kv_cache, lens, steps), prompts, steps,
-                              list(strategies.values()), settings.dtype,
+    batch, prompts = decode_inputs(settings, kv_cache)
+    timings = time_strategies(model, batch, prompts, steps, list(strategies.values()),
+                              settings.dtype,
                               num_iters=max(2, -(-decode_steps // max(1, steps))),
                               progress=lambda *_: None)
     out = {}
@@ -172,10 +162,6 @@ def kit_decode_steps(settings, modes=("eager", "compiled"),
 # The chapter's tables
 # ---------------------------------------------------------------------------------------------
 
-def _ms(seconds):
-    return None if seconds is None else seconds * 1e3
-
-
 def kv_rows(kit_sizing, runs: dict) -> list[dict]:
     """KV blocks, tokens, concurrency and bytes: the kit beside each started engine."""
     quantities = [("KV blocks", "num_blocks", "num_blocks"),
@@ -190,6 +176,10 @@ def kv_rows(kit_sizing, runs: dict) -> list[dict]:
         row.update({f"vLLM {mode}": getattr(run, run_attr) for mode, run in runs.items()})
         rows.append(row)
     return rows
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
 
 
 @dataclass
@@ -210,6 +200,10 @@ class DecodeComparison:
         if self.kit_step is None or not self.vllm_step:
             return None
         return self.kit_step / self.vllm_step
+
+    def ms(self) -> tuple[float | None, float | None]:
+        """(kit step, vLLM step) in milliseconds."""
+        return _ms(self.kit_step), _ms(self.vllm_step)
 
     def row(self) -> dict:
         def fmt(v, digits=3):
@@ -252,9 +246,36 @@ def chapter_budget(settings) -> int:
 
 def with_budget(settings, profiled_run):
     """`settings` with vLLM's profiled KV budget (GPU) as `kv_cache_memory_bytes`."""
-    from dataclasses import replace
     if not profiled_run.ok or not profiled_run.kv_cache_bytes:
         raise ConfigError(f"vLLM could not profile a KV budget: {profiled_run.error}; give "
                           "kv_cache_memory_bytes")
     return replace(settings, kv_cache_memory_bytes=profiled_run.memory["kv_cache_budget_bytes"]
                    if profiled_run.memory else profiled_run.kv_cache_bytes)
+
+
+def run_engines(settings, folder: Path, progress=print) -> dict[str, EngineRun]:
+    """vLLM started on the chapter's settings in each mode, one after the other (each shut
+    down before the next starts), decode steps timed; each start-up log saved in `folder`."""
+    runs = {}
+    for mode in MODES:
+        progress(f"starting vLLM ({mode}) ...")
+        run = runs[mode] = run_settings(settings, mode, Path(folder) / "vllm-models")
+        log = run.save_log(folder)
+        progress(f"  {run.error}" if not run.ok else
+                 f"  started in {run.startup_seconds:.1f} s (compile "
+                 f"{run.compile_seconds or 0:.1f} s), {run.num_blocks:,} blocks of "
+                 f"{run.block_size}, median step {run.decode_step_median * 1e3:.3f} ms; "
+                 f"log: {log.name}")
+    return runs
+
+
+def grid_per_model(grid: list[KVAgreement]) -> list[dict]:
+    """The agreement grid counted per model: cases, agreeing, refused by both."""
+    per_model = {}
+    for r in grid:
+        m = per_model.setdefault(r.model, {"model": r.model, "cases": 0, "agree": 0,
+                                           "refused by both": 0})
+        m["cases"] += 1
+        m["agree"] += r.agree
+        m["refused by both"] += bool(r.kit_error and r.vllm_error)
+    return list(per_model.values())

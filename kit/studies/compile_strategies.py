@@ -1,9 +1,9 @@
-"""The compile strategies side by side (chapter 03): what each way of running the model costs
-and buys, measured on one model, one set of inputs and one set of settings.
+"""Chapter 03, compile strategies side by side: what each way of running the model costs and
+buys, measured on one model, one set of inputs and one set of settings.
 
-A strategy here is a *plan*: how the profiling run is executed (eager or compiled, and whether
-that compilation is thrown away afterwards) and how the model is then served (a
-`kit.compile` runner). For each plan `compare` measures: compile time, guards and cache
+Each row of the chapter is a *plan*: how the profiling run is executed (by which strategy, and
+whether that compilation is thrown away afterwards) and by which strategy the model is then
+served (a `kit.engine.runners` runner). For each plan `compare` measures: compile time, guards and cache
 entries on the served code, graphs compiled and recompiles over a realistic sequence of decode
 batch sizes, the per-call cost of Dynamo (through Dynamo versus the same compiled graph called
 directly, and the profiler's "TorchDynamo Cache Lookup"), the profile's peak memory and the KV
@@ -15,28 +15,29 @@ largest difference of the outputs from eager.
 from __future__ import annotations
 
 import gc
-import json
-import random
-import statistics
-import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from kit.compile import capture_sizes_up_to, make_runner
-from kit.config import DEFAULT_PRESET, ConfigError, Settings, load
-from kit.device import Timings, capacity_bytes, synchronize, time_fn
-from kit.kv_cache import KVCacheSpec, size_kv_cache
-from kit.memory import _cuda_usage, check_fits, profile_batch, profile_run
-from kit.model import build_model, weights_bytes
+from kit.config import TOLERANCE, Settings, reference
+from kit.engine.kv_cache import KVCacheSpec, memory_budget, size_kv_cache
+from kit.engine.model import build_model, weights_bytes
+from kit.engine.runners import capture_sizes_up_to, make_runner
+from kit.engine.serving_trace import decode_batch_sizes
+from kit.errors import ConfigError
+from kit.measure.device import capacity_bytes
+from kit.measure.memory import cuda_usage
+from kit.measure.timing import (cache_lookup_seconds, interleaved_timings, paired_difference,
+                                per_round_best)
+from kit.studies.memory_profiling import check_fits, profile_batch, profile_run
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How a strategy profiles and serves. `profile_with` is the runner strategy that runs
-    the profiling forward ("eager" or a compiled one); when it equals `serve`, serving reuses
-    the same runner, hence the same code and Dynamo cache, as an engine does."""
+    """How a row of the chapter profiles and serves: `profile_with` is the strategy that runs
+    the profiling forward ("eager" or a compiled one), `serve` the one that serves; when they
+    are equal, serving reuses the same runner, hence the same code and Dynamo cache, as an
+    engine does."""
 
     number: int  # the issue's numbering
     name: str
@@ -64,9 +65,6 @@ PLANS = (
          "GPU only: one CUDA graph per decode batch size over the guard-free compiled model"),
 )
 PLAN_NAMES = tuple(p.name for p in PLANS)
-# Largest difference from eager allowed, relative to the largest |eager output|: a few units
-# in the last place of the dtype (compiled code fuses and reorders the arithmetic).
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
 
 
 def get_plans(names=None) -> list[Plan]:
@@ -74,75 +72,13 @@ def get_plans(names=None) -> list[Plan]:
         return list(PLANS)
     unknown = [n for n in names if n not in PLAN_NAMES]
     if unknown:
-        raise ConfigError(f"unknown strategy {unknown}: use some of {list(PLAN_NAMES)}")
+        raise ConfigError(f"unknown plan {unknown}: use some of {list(PLAN_NAMES)}")
     return [p for p in PLANS if p.name in names]
 
 
-def decode_batch_sizes(max_num_seqs: int, num_requests: int | None = None, seed: int = 0,
-                       min_tokens: int = 4, max_tokens: int = 16) -> list[int]:
-    """Decode batch sizes of a plausible serving trace, one per step: requests arrive (half as
-    fast again as full batches would retire them), wait for a free slot (at most max_num_seqs decode together), generate a
-    random number of tokens and leave. It starts with one request, fills every slot (arrivals
-    outpace departures), and drains to the last request, so it visits batch 1, the full batch
-    and sizes between. `num_requests` defaults to 3 × max_num_seqs."""
-    rng = random.Random(seed)
-    num_requests = num_requests or 3 * max_num_seqs
-    rate = 1.5 * max_num_seqs / ((min_tokens + max_tokens) / 2)  # arrivals per step
-    waiting, arrived, running, sizes = 1, 1, [], []
-    while waiting or running or arrived < num_requests:
-        if arrived < num_requests and sizes:
-            new = min(num_requests - arrived, rng.randint(0, max(1, round(2 * rate))))
-            waiting, arrived = waiting + new, arrived + new
-        admit = min(waiting, max_num_seqs - len(running))
-        running += [rng.randint(min_tokens, max_tokens) for _ in range(admit)]
-        waiting -= admit
-        if running:
-            sizes.append(len(running))
-        running = [left - 1 for left in running if left > 1]
-    return sizes
-
-
-def interleaved_timings(fns: dict, device: str, rounds: int, calls: int) -> dict[str, list]:
-    """Each function timed `calls` times per round, in alternating order round after round, so
-    a busy neighbour slows every function alike: {name: [Timings of each round]}."""
-    out = {name: [] for name in fns}
-    items = list(fns.items())
-    for r in range(rounds):
-        for name, fn in (items if r % 2 == 0 else items[::-1]):
-            out[name].append(time_fn(fn, device, repeats=calls, warmup=1))
-    return out
-
-
-def paired_difference(through: list, direct: list) -> float:
-    """Median over rounds of (quickest call through - quickest direct call) in the same round.
-    Noise only ever adds time, so each round's quickest call is its best estimate of the true
-    cost, and pairing the rounds cancels what the machine did in between."""
-    return statistics.median(min(a.seconds) - min(b.seconds) for a, b in zip(through, direct))
-
-
-def per_round_best(rounds: list) -> Timings:
-    """Each round's quickest call: on a shared machine the best estimate a round gives (the
-    median over rounds then keeps one lucky round from deciding)."""
-    return Timings([min(r.seconds) for r in rounds])
-
-
-def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
-    """Mean time per call of the profiler's "TorchDynamo Cache Lookup" events (the lookup of
-    the cache entry, guards included); None when the profiler records none."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    events = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
-    if not events:
-        return None
-    return sum(e.cpu_time_total for e in events) / 1e6 / calls
-
-
 @dataclass
-class StrategyResult:
-    """What one strategy measured. Times in seconds, memory in bytes; None: not applicable."""
+class PlanResult:
+    """What one plan measured. Times in seconds, memory in bytes; None: not applicable."""
 
     number: int
     name: str
@@ -208,10 +144,10 @@ class StrategyResult:
 
 @dataclass
 class Comparison:
-    """Every strategy's result, plus what they were measured on."""
+    """Every plan's result, plus what they were measured on."""
 
     settings: Settings
-    results: dict[str, StrategyResult]
+    results: dict[str, PlanResult]
     decode_batch_size: int
     step_batch_sizes: list[int]
     bytes_per_block: int
@@ -223,33 +159,6 @@ class Comparison:
     def rows(self) -> list[dict]:
         return [r.row() for r in self.results.values()]
 
-    def display_rows(self) -> list[dict]:
-        """The table as a learner reads it: units, and why a strategy did not run."""
-        def us(x):
-            return "" if x is None else f"{x * 1e6:,.0f}"
-        out = []
-        for r in self.results.values():
-            if not r.available:
-                out.append({"#": r.number, "strategy": r.name, "note": r.reason})
-                continue
-            out.append({
-                "#": r.number, "strategy": r.name, "serves with": r.serve,
-                "profiles with": r.profile_with + (", discarded" if r.discard else ""),
-                "compile s (profile / serve)": f"{r.profile_compile_seconds or 0:.1f} / "
-                                               f"{r.compile_seconds:.1f}",
-                "cache entries": r.cache_entries,
-                "guards": "" if r.guards_total is None else r.guards_total,
-                "graphs": r.graphs_compiled, "recompiles": r.recompiles,
-                "µs/forward": us(r.forward_seconds), "µs direct": us(r.direct_seconds),
-                "Dynamo µs/call": us(r.dynamo_overhead_seconds),
-                "cache lookup µs (profiler)": us(r.cache_lookup_seconds),
-                "peak activations MiB": f"{r.peak_activation_bytes / 2**20:,.2f}",
-                "KV blocks": f"{r.num_blocks:,}",
-                "max |diff| / max |eager|": "n/a (trace failed)" if r.max_rel_diff is None
-                else f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
-                "note": r.recompile_error or ""})
-        return out
-
     def as_dict(self) -> dict:
         return {"preset": self.settings.preset, "device": self.settings.device,
                 "model": self.settings.model, "dtype": self.settings.dtype,
@@ -258,7 +167,7 @@ class Comparison:
                 "bytes_per_block": self.bytes_per_block, "weights_bytes": self.weights_bytes,
                 "budget_bytes": self.budget_bytes, "timing_rounds": self.timing_rounds,
                 "timing_calls": self.timing_calls, "torch": torch.__version__,
-                "strategies": self.rows()}
+                "plans": self.rows()}
 
 
 class _Bench:
@@ -267,13 +176,13 @@ class _Bench:
     def __init__(self, settings: Settings, step_sizes: list[int]):
         self.settings, self.device = settings, settings.device
         # CUDA memory before the model exists, so profiles can tell non-torch memory apart
-        self.before = _cuda_usage() if self.device == "cuda" else None
+        self.before = cuda_usage() if self.device == "cuda" else None
         self.model = build_model(settings.arch, settings.dtype, self.device, settings.seed)
         self.weights = weights_bytes(self.model)
         self.spec = KVCacheSpec.from_settings(settings)
         gen = torch.Generator().manual_seed(settings.seed)
         sizes = sorted(set(step_sizes) | {settings.batch_size})
-        # one fixed [batch, 1] input per batch size, the same for every strategy
+        # one fixed [batch, 1] input per batch size, the same for every plan
         self.inputs = {b: torch.randint(0, settings.arch.vocab_size, (b, 1), generator=gen)
                        .to(self.device) for b in sizes}
         self.reference = {b: self.model(ids) for b, ids in self.inputs.items()}
@@ -282,19 +191,17 @@ class _Bench:
         return (self.inputs[batch],)
 
 
-def _profile(bench: _Bench, plan: Plan, res: StrategyResult):
+def _profile(bench: _Bench, plan: Plan, res: PlanResult):
     """The profiling run of `plan`; returns the runner that ran it when serving reuses it."""
     s = bench.settings
-    if plan.profile_with == "eager":
-        prof = profile_run(bench.model, s, "eager", bench.weights, bench.before)
-        runner = None
-    else:
+    runner = None
+    if plan.profile_with != "eager":
         runner = make_runner(bench.model.forward, plan.profile_with, bench.device,
                              (profile_batch(s),))
         res.profile_compile_seconds = runner.compile_seconds
-        prof = profile_run(bench.model, s, plan.name, bench.weights, bench.before, step=runner)
-        if plan.discard:
-            runner.discard()
+    prof = profile_run(bench.model, s, plan.name, bench.weights, bench.before, runner)
+    if runner is not None and plan.discard:
+        runner.discard()
     res.peak_activation_bytes = prof.peak_activation_bytes
     res.non_torch_bytes = prof.non_torch_bytes
     res.kv_cache_bytes = prof.kv_cache_bytes
@@ -302,7 +209,7 @@ def _profile(bench: _Bench, plan: Plan, res: StrategyResult):
     return runner if plan.profile_with == plan.serve else None
 
 
-def _serve(bench: _Bench, plan: Plan, res: StrategyResult, runner, step_sizes: list[int]):
+def _serve(bench: _Bench, plan: Plan, res: PlanResult, runner, step_sizes: list[int]):
     """Warm the serving runner at decode shape, run the step sequence, compare with eager."""
     args = bench.decode_args(bench.settings.batch_size)
     if runner is None:
@@ -332,15 +239,15 @@ def _serve(bench: _Bench, plan: Plan, res: StrategyResult, runner, step_sizes: l
 
 def run_plan(bench: _Bench, plan: Plan, step_sizes: list[int]):
     """Profile, then serve; returns (result, runner or None when unavailable)."""
-    res = StrategyResult(plan.number, plan.name, plan.serve, plan.profile_with, plan.discard,
-                         plan.summary)
+    res = PlanResult(plan.number, plan.name, plan.serve, plan.profile_with, plan.discard,
+                     plan.summary)
     try:
         if plan.serve == "cuda_graphs" and bench.device != "cuda":
             raise ConfigError("CUDA graphs need a GPU (device='cuda'); this run is on "
                               f"{bench.device}")
         runner = _profile(bench, plan, res)
         runner = _serve(bench, plan, res, runner, step_sizes)
-    except ConfigError as e:  # the strategy cannot run here (no GPU, no bytecode hook)
+    except ConfigError as e:  # the plan cannot run here (no GPU, no bytecode hook)
         res.available, res.reason = False, str(e)
         return res, None
     return res, runner
@@ -387,8 +294,8 @@ class TinyMLP(torch.nn.Module):
 def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 20) -> dict:
     """Per-call seconds of a tiny MLP run eagerly, compiled stock, guard-free, by bytecode
     hook, its compiled graph called directly, and the `set_stance` context guard_free enters on
-    every call (the issue's own measurement: 28 µs eager, 37 µs stock, 32 µs guard-free on a
-    CPU): {name: {"seconds", "best_seconds", "over_direct_seconds"}} (see _time_all)."""
+    every call (the published figures: `kit.config.reference("mlp_probe")`):
+    {name: {"seconds", "best_seconds", "over_direct_seconds"}} (see _time_all)."""
     torch.manual_seed(0)
     mlp = TinyMLP().to(device).eval()
     x = torch.randn(batch, 256, device=device)
@@ -407,13 +314,13 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
             for name, t in timings.items()}
 
 
-def compare(settings: Settings, strategies=None, step_sizes=None, rounds: int = 30,
+def compare(settings: Settings, plans=None, step_sizes=None, rounds: int = 30,
             calls: int = 10) -> Comparison:
-    """Run every strategy (or those named) on one model and one set of inputs; see the module
+    """Run every plan (or those named) on one model and one set of inputs; see the module
     docstring for what is measured. `step_sizes`: the decode batch sizes, one per step
-    (default: `decode_batch_sizes(max_num_seqs)`). Timings interleave all strategies over
+    (default: `decode_batch_sizes(max_num_seqs)`). Timings interleave all plans over
     `rounds` rounds of `calls` calls each."""
-    plans = get_plans(strategies)
+    plans = get_plans(plans)
     check_fits(settings)
     step_sizes = list(step_sizes or decode_batch_sizes(settings.max_num_seqs, seed=settings.seed))
     results, runners = {}, {}
@@ -427,8 +334,8 @@ def compare(settings: Settings, strategies=None, step_sizes=None, rounds: int = 
         _time_all(bench, results, runners, rounds, calls)
     for runner in runners.values():
         runner.discard()
-    budget = int(capacity_bytes(settings.device, settings.device_memory)
-                 * settings.gpu_memory_utilization)
+    budget = memory_budget(capacity_bytes(settings.device, settings.device_memory),
+                           settings.gpu_memory_utilization)
     return Comparison(settings, results, settings.batch_size, step_sizes,
                       bench.spec.bytes_per_block, bench.weights, budget, rounds, calls)
 
@@ -436,39 +343,25 @@ def compare(settings: Settings, strategies=None, step_sizes=None, rounds: int = 
 OVERHEAD_TARGET = 0.05  # the issue's: guard-free at most 5% above the graph called directly
 
 
-def overhead_target(comparison: Comparison, strategy: str = "guard_free") -> dict:
-    """The benchmark's target (not a test: timings here are noisy): `strategy` costs at most
+def overhead_target(comparison: Comparison, plan: str = "guard_free") -> dict:
+    """The benchmark's target (not a test: timings here are noisy): `plan` costs at most
     OVERHEAD_TARGET more per call than its compiled graph called directly, at decode shape."""
-    res = comparison.results.get(strategy)
+    res = comparison.results.get(plan)
     if res is None or res.overhead_fraction is None:
-        return {"strategy": strategy, "measured": False}
-    return {"strategy": strategy, "target_fraction": OVERHEAD_TARGET,
+        return {"plan": plan, "measured": False}
+    return {"plan": plan, "target_fraction": OVERHEAD_TARGET,
             "median_fraction": res.overhead_fraction, "best_fraction": res.overhead_best_fraction,
             "met_median": res.overhead_fraction <= OVERHEAD_TARGET,
             "met_best": res.overhead_best_fraction <= OVERHEAD_TARGET}
 
 
-def add_cli(sub) -> None:
-    """`python -m kit bench compile`: the strategies' table as JSON."""
-    from kit.cli import bench_commands
-    from kit.runner import parse_params
-    p = bench_commands(sub).add_parser("compile", help="chapter 03's compile strategies")
-    p.add_argument("--preset", default=DEFAULT_PRESET)
-    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--strategies", nargs="*", help=f"some of {list(PLAN_NAMES)}")
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--calls", type=int, default=10)
-
-    p.add_argument("--no-probe", action="store_true", help="skip the tiny-MLP overhead probe")
-
-    def bench(a):
-        settings = load(a.preset, **parse_params(a.param))
-        out = compare(settings, a.strategies or None, rounds=a.rounds, calls=a.calls)
-        table = out.as_dict()
-        table["target"] = overhead_target(out)
-        if not a.no_probe:
-            table["mlp_probe"] = overhead_probe(settings.device)
-        json.dump(table, sys.stdout, indent=1, default=str)
-        print()
-        return 0
-    p.set_defaults(func=bench)
+def seed_ratios(comparison: Comparison) -> dict:
+    """The seed's ratios beside the measured ones: KV blocks of the seed's final plan over its
+    first (4 ÷ 3), and the decode forward with the profiling compile discarded over kept
+    (4 ÷ 2)."""
+    seed, r = reference("seed"), comparison.results
+    p3, p4, stock = r["profile_eager"], r["profile_compiled_discard"], r["stock"]
+    return {"seed_blocks_ratio": seed["kv_blocks_profile_compiled"] / seed["kv_blocks_profile_eager"],
+            "measured_blocks_ratio": p4.num_blocks / p3.num_blocks,
+            "seed_step_ratio": seed["decode_step_ms_after"] / seed["decode_step_ms_before"],
+            "measured_step_ratio": p4.forward_seconds / stock.forward_seconds}

@@ -1,8 +1,8 @@
-"""Decode timing per strategy, against the roofline (chapter 04), and `python -m kit bench decode`.
+"""Chapter 04, decode timing per strategy against the roofline (also `python -m kit bench decode`).
 
 `run_decode(settings)` checks the request first (nothing heavy before the errors a learner can
-fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else chapter 01's eager
-memory profile), measures the device's copy bandwidth and matmul throughput, checks a batch of
+fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else what chapter 01's eager
+memory profile leaves: it needs no compilation), measures the device's copy bandwidth and matmul throughput, checks a batch of
 mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
 (compilation, CUDA graph capture) reported apart, and a timed run of `output_len - 1` decode
 steps after the prefill, each step timed and its logits checked against the reference;
@@ -10,35 +10,28 @@ steps after the prefill, each step timed and its logits checked against the refe
 """
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from kit.config import DATA, ConfigError, Settings, load
-from kit.decode import (Correctness, PagedBatch, blocks_needed, check_against_reference,
-                        check_capacity, generate, kv_cache_for, make_prompts, new_batch,
-                        prompt_lengths, step_function)
-from kit.device import Timings, describe, synchronize, versions
-from kit.kv_cache import KVCacheSpec, size_kv_cache
-from kit.model import Decoder, build_model, weights_bytes
-from kit.plots import Table
-from kit.roofline import (DeviceLimits, StepCost, decode_step_cost, linear_weights,
-                          measure_bandwidth, measure_limits)
-from kit.step_profile import StepBreakdown, profile_steps
+from kit.config import Settings, reference
+from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
+                               decode_inputs, decode_runner, generate, kv_cache_for,
+                               prompt_lengths)
+from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
+from kit.engine.model import Decoder, build_model, weights_bytes
+from kit.errors import ConfigError
+from kit.measure.device import capacity_bytes, describe, synchronize, versions
+from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, measure_bandwidth,
+                                  measure_limits)
+from kit.measure.step_profile import StepBreakdown, profile_steps
+from kit.measure.timing import Timings
+from kit.studies.memory_profiling import profile_run
 
 GiB = 2**30
-# On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
-# prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers. At a decode
-# batch a plain bf16 matmul reached about half the copy bandwidth here, a prepacked one about
-# twice that. (The frozen copy costs one more copy of the weights while the runner lives.)
-CPU_FREEZING = {"freezing": True}
 PROFILED_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
 
 
@@ -129,17 +122,9 @@ def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], step
             strategy: str, warmup_steps: int = 2):
     """A throw-away run that builds `strategy`'s runner of the step (compiling, or capturing a
     CUDA graph) and runs a few steps; returns the runner and the run's seconds."""
-    from kit.compile import make_runner
     device = batch.kv_cache.device.type
     t0 = time.perf_counter()
-    batch.start(model, prompts)
-    batch.make_room()
-    # Shapes are fixed by the batch (nothing marked dynamic); a CUDA graph is captured for
-    # exactly this batch size, on the batch's own tensors, so no padded row ever writes.
-    runner = make_runner(step_function(model), strategy, device, batch.step_args(),
-                         dynamic_dims={}, capture_sizes=[len(prompts)],
-                         inductor_config=CPU_FREEZING if device == "cpu" else None)
-    batch.positions.add_(1)  # the runner's first call was the step at these positions
+    runner = decode_runner(model, batch, prompts, strategy)
     for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
         batch.step(runner)
     synchronize(device)
@@ -174,10 +159,12 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
         if after_round is not None:
             after_round()
     progress("profiling a few steps of each strategy (where the time goes) ...")
-    gemm_bytes = linear_weights(model.arch) * next(model.parameters()).element_size()
+    gemm_bytes = model.arch.linear_weights() * next(model.parameters()).element_size()
+    device = batch.kv_cache.device.type
     for name, runner in runners.items():
         batch.start(model, prompts)
-        timings[name].breakdown = profile_steps(batch, runner, min(PROFILED_STEPS, steps), name,
+        timings[name].breakdown = profile_steps(lambda r=runner: batch.step(r),
+                                                min(PROFILED_STEPS, steps), device, name,
                                                 gemm_bytes)
         runner.discard()
     return timings
@@ -185,14 +172,8 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
 
 # --- checking the request before anything heavy ---------------------------------------------
 
-def strategies_for(settings: Settings) -> tuple[str, ...]:
-    """The settings' strategies, or every one that runs on the device."""
-    from kit.compile import available_strategies
-    return settings.strategies or available_strategies(settings.device)
-
-
 @dataclass
-class DecodePlan:
+class CacheFit:
     """What a decode run will hold in the KV cache, and the budget it must fit in."""
 
     prompt_lens: list[int]
@@ -222,7 +203,7 @@ def check_request(settings: Settings) -> None:
                           f"keys and values in the model's dtype ({settings.dtype}); use 'auto'")
 
 
-def plan_decode(settings: Settings, budget_bytes: int, budget_source: str) -> DecodePlan:
+def fit_in_cache(settings: Settings, budget_bytes: int, budget_source: str) -> CacheFit:
     """The run's blocks against `budget_bytes`; refuses, naming the missing blocks, when the
     tokens do not fit."""
     spec = KVCacheSpec.from_settings(settings)
@@ -231,30 +212,29 @@ def plan_decode(settings: Settings, budget_bytes: int, budget_source: str) -> De
     budget_blocks = max(0, budget_bytes) // spec.bytes_per_block
     need = check_capacity(lengths, steps, settings.block_size, budget_blocks,
                           f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
-    return DecodePlan(lengths, steps, settings.block_size, need, budget_bytes, budget_source,
-                      budget_blocks)
+    return CacheFit(lengths, steps, settings.block_size, need, budget_bytes, budget_source,
+                    budget_blocks)
 
 
-def early_plan(settings: Settings) -> DecodePlan:
-    """Before loading anything: the exact plan when kv_cache_memory_bytes is given, else one
+def early_fit(settings: Settings) -> CacheFit:
+    """Before loading anything: the exact fit when kv_cache_memory_bytes is given, else one
     against the most the cache could ever get (capacity × utilization − weights)."""
     if settings.kv_cache_memory_bytes is not None:
-        return plan_decode(settings, settings.kv_cache_memory_bytes, "kv_cache_memory_bytes")
-    from kit.device import capacity_bytes
-    most = int(capacity_bytes(settings.device, settings.device_memory)
-               * settings.gpu_memory_utilization) - settings.arch.num_parameters() \
-        * settings.dtype_bytes
-    return plan_decode(settings, most, "capacity × gpu_memory_utilization − weights")
+        return fit_in_cache(settings, settings.kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    most = memory_budget(capacity_bytes(settings.device, settings.device_memory),
+                         settings.gpu_memory_utilization) \
+        - settings.arch.num_parameters() * settings.dtype_bytes
+    return fit_in_cache(settings, most, "capacity × gpu_memory_utilization − weights")
 
 
-def kv_budget(settings: Settings, model: Decoder) -> tuple[int, str]:
-    """kv_cache_memory_bytes when given, else what chapter 01's eager memory profile leaves."""
-    if settings.kv_cache_memory_bytes is not None:
-        return settings.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    from kit.memory import profile_run
-    with torch.inference_mode():
-        profile = profile_run(model, settings, "eager", weights_bytes(model))
-    return profile.kv_cache_bytes, "the eager memory profile's KV budget"
+def decode_budget(settings: Settings, model: Decoder) -> tuple[int, str]:
+    """`kv_budget` with chapter 01's eager profile of `model` (measured only when no
+    kv_cache_memory_bytes is given)."""
+    left = None
+    if settings.kv_cache_memory_bytes is None:
+        with torch.inference_mode():
+            left = profile_run(model, settings, "eager", weights_bytes(model)).kv_cache_bytes
+    return kv_budget(settings, "eager", left)
 
 
 # --- the whole measurement --------------------------------------------------------------------
@@ -264,7 +244,7 @@ class DecodeReport:
     """Everything one decode benchmark measured."""
 
     settings: Settings
-    plan: DecodePlan
+    fit: CacheFit
     limits: DeviceLimits
     mixed_lens: list[int]
     mixed: Correctness
@@ -282,6 +262,11 @@ class DecodeReport:
         return self.costs[len(self.costs) // 2]
 
     @property
+    def median_floor_seconds(self) -> float:
+        """The bandwidth floor of the median step."""
+        return self.floor_seconds[len(self.costs) // 2]
+
+    @property
     def compute_floor_seconds(self) -> float:
         """The median step's FLOPs at the measured matmul throughput."""
         return self.median_cost.flops / self.limits.matmul_flops_per_second
@@ -289,11 +274,17 @@ class DecodeReport:
     def best(self) -> StrategyTiming:
         return min(self.timings.values(), key=lambda t: t.median)
 
+    def failed_correctness(self) -> list[str]:
+        """Runs whose logits left the no-cache reference's tolerance (strategies, and "mixed
+        lengths" for the eager run of mixed prompt lengths)."""
+        failed = [t.strategy for t in self.timings.values() if not t.correctness.ok]
+        return failed + ([] if self.mixed.ok else ["mixed lengths"])
+
     def summary(self) -> dict:
         s = self.settings
         return {"settings": s.as_dict(), "model": s.arch.name, "device": s.device,
                 "batch_size": s.batch_size, "input_len": s.input_len, "output_len": s.output_len,
-                "plan": self.plan.summary(), "limits": self.limits.summary(),
+                "cache_fit": self.fit.summary(), "limits": self.limits.summary(),
                 "median_step_cost": self.median_cost.summary(),
                 "floor_seconds": self.floor_seconds,
                 "compute_floor_seconds": self.compute_floor_seconds,
@@ -302,62 +293,30 @@ class DecodeReport:
                 "best_strategy": self.best().strategy, "machine": self.machine,
                 "load_average": self.load_average}
 
-    def table(self) -> Table:
-        rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
-                 "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
-                 "median ms": f"{t.median * 1e3:.2f}",
-                 "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
-                 "end to end s": f"{t.end_to_end_seconds:.3f}",
-                 "tokens/s": f"{t.tokens_per_second:,.0f}",
-                 "% of floor": f"{t.percent_of_floor:.0f}%",
-                 "max logit error": f"{t.correctness.max_error:.1e}",
-                 "weight matmuls: share, GB/s": matmul_cell(t.breakdown)}
-                for t in self.timings.values()]
-        s = self.settings
-        return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
-                           f"{self.plan.steps} decode steps, {s.dtype}, {s.device}")
-
-
-def bandwidth_line(limits: DeviceLimits) -> str:
-    samples = limits.bandwidth_samples
-    return (f"median {limits.bandwidth / 1e9:,.1f} GB/s of {len(samples)} measurements "
-            f"({min(samples) / 1e9:,.1f}–{max(samples) / 1e9:,.1f})")
-
-
-def matmul_cell(breakdown: StepBreakdown | None) -> str:
-    """The weight matmuls' share of a profiled step and the rate they stream weights at."""
-    if breakdown is None or breakdown.gemm_bandwidth is None:
-        return "n/a"
-    share = breakdown.shares()["weight matmuls"]
-    return f"{share:.0%}, {breakdown.gemm_bandwidth / 1e9:,.1f}"
-
 
 def run_decode(settings: Settings, progress=print) -> DecodeReport:
     """The chapter's measurement: correctness, then every strategy timed against the floor."""
     check_request(settings)
-    early_plan(settings)
-    strategies = strategies_for(settings)
+    early_fit(settings)
+    strategies = settings.strategies_to_run()
     load_before = os.getloadavg()
     progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    plan = plan_decode(settings, *kv_budget(settings, model))
-    progress(f"KV cache: the run needs {plan.blocks_needed:,} of the {plan.budget_blocks:,} "
-             f"blocks the budget holds ({plan.budget_source}); allocating those it needs")
-    kv_cache = kv_cache_for(settings, plan.blocks_needed)
+    fit = fit_in_cache(settings, *decode_budget(settings, model))
+    progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
+             f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
+    kv_cache = kv_cache_for(settings, fit.blocks_needed)
     progress("measuring copy bandwidth and matmul throughput ...")
     limits = measure_limits(settings.device, settings.dtype)
     progress(f"  {limits.bandwidth / 1e9:,.1f} GB/s copy, "
              f"{limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s matmul")
-    mixed_lens, mixed = check_mixed_lengths(settings, model, kv_cache, plan.steps)
+    mixed_lens, mixed = check_mixed_lengths(settings, model, kv_cache)
     progress(f"mixed prompt lengths {mixed_lens}: max logit error {mixed.max_error:.1e} "
              f"(tolerance {mixed.tolerance:.0e} for {settings.dtype})")
-    spec = KVCacheSpec.from_settings(settings)
-    costs = [decode_step_cost(settings.arch, settings.dtype_bytes, spec.bytes_per_token,
-                              [n + t + 1 for n in plan.prompt_lens]) for t in range(plan.steps)]
-    prompts = make_prompts(plan.prompt_lens, settings.arch.vocab_size, settings.seed)
-    batch = new_batch(kv_cache, plan.prompt_lens, plan.steps)
+    costs = step_costs(settings, fit)
+    batch, prompts = decode_inputs(settings, kv_cache)
     samples = []  # the copy again after each round of timed runs
-    timings = time_strategies(model, batch, prompts, plan.steps, strategies, settings.dtype,
+    timings = time_strategies(model, batch, prompts, fit.steps, strategies, settings.dtype,
                               settings.num_iters, progress, after_round=lambda: samples.append(
                                   measure_bandwidth(settings.device)[2]))
     limits = limits.with_samples(samples)
@@ -365,81 +324,42 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
                  f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
-    return DecodeReport(settings, plan, limits, mixed_lens, mixed, timings, costs,
+    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs,
                         machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()})
 
 
-def check_mixed_lengths(settings: Settings, model: Decoder, kv_cache: torch.Tensor,
-                        steps: int) -> tuple[list[int], Correctness]:
+def step_costs(settings: Settings, fit: CacheFit) -> list[StepCost]:
+    """What each decode step of the run must move and compute (its context grows a token a
+    step)."""
+    spec = KVCacheSpec.from_settings(settings)
+    return [decode_step_cost(settings.arch, settings.dtype_bytes, spec.bytes_per_token,
+                             [n + t + 1 for n in fit.prompt_lens]) for t in range(fit.steps)]
+
+
+def check_mixed_lengths(settings: Settings, model: Decoder,
+                        kv_cache: torch.Tensor) -> tuple[list[int], Correctness]:
     """An eager run of prompts of different lengths in one batch against the reference (they
     are no longer than input_len, so they fit in the cache the timed runs use)."""
-    lens = prompt_lengths(settings.batch_size, settings.input_len, mixed=True)
-    prompts = make_prompts(lens, settings.arch.vocab_size, settings.seed + 1)
-    run = generate(model, new_batch(kv_cache, lens, steps), prompts, steps)
-    return lens, check_against_reference(model, prompts, run, settings.dtype)
-
-
-# --- references shown beside the measurements -----------------------------------------------
-
-def seed_reference() -> dict:
-    """The seed's decode numbers (Gemma-2B on a GPU, batch 8, input 1024, output 128)."""
-    return json.loads((DATA / "reference" / "seed.json").read_text())
+    batch, prompts = decode_inputs(settings, kv_cache, mixed=True, seed_offset=1)
+    run = generate(model, batch, prompts, settings.output_len - 1)
+    return batch.lengths, check_against_reference(model, prompts, run, settings.dtype)
 
 
 def vllm_cpu_reference(settings: Settings) -> dict | None:
-    """vLLM CPU's step times for this model, batch and input length, when recorded."""
-    runs = json.loads((DATA / "reference" / "vllm_cpu.json").read_text())["runs"]
-    return next((r for r in runs if r["model"] == settings.arch.name
+    """vLLM CPU's recorded step times for this model, batch and input length, if any."""
+    return next((r for r in reference("vllm_cpu")["runs"] if r["model"] == settings.arch.name
                  and r["batch_size"] == settings.batch_size
                  and r["input_len"] == settings.input_len and settings.device == "cpu"), None)
 
 
-# --- the command ------------------------------------------------------------------------------
-
-def add_cli(sub) -> None:
-    from kit.cli import bench_commands
-    p = bench_commands(sub).add_parser(
-        "decode", help="time decode steps per strategy against the bandwidth floor; writes "
-        "JSON and prints a table")
-    p.add_argument("--preset", default="cpu-small")
-    p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a setting, e.g. -p batch_size=8 -p strategies=eager,stock")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's); 1 is steadier on a busy machine")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON file to write (default: runs/bench/decode-<time>-<preset>.json)")
-    p.set_defaults(func=bench_decode)
-
-
-def bench_decode(args) -> int:
-    from kit.runner import parse_params
-    settings = load(args.preset, **parse_params(args.param))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    report = run_decode(settings, progress=lambda m: print(m, flush=True))
-    out = args.out or DATA.parent / "runs" / "bench" / \
-        f"decode-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.summary(), indent=1, default=str))
-    print()
-    print(report.table())
-    cost = report.median_cost
-    print(f"floor (median step): {cost.total_bytes / 1e6:,.1f} MB / "
-          f"{report.limits.bandwidth / 1e9:,.1f} GB/s = {report.floor_seconds[len(report.costs) // 2] * 1e3:.2f} ms; "
-          f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
-          f"({cost.flops / 1e9:,.2f} GFLOP at {report.limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
-    print(f"copy bandwidth over the run: {bandwidth_line(report.limits)}; the floor uses the median")
-    vllm = vllm_cpu_reference(settings)
-    if vllm:
-        print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "
-              f"eager, {vllm['step_ms_compiled']} ms compiled per step")
-    print(f"load average before/after: {report.load_average['before'][0]:.1f} / "
-          f"{report.load_average['after'][0]:.1f} (a shared machine: timings are noisy)")
-    print(f"wrote {out}")
-    failed = [t.strategy for t in report.timings.values() if not t.correctness.ok]
-    if failed or not report.mixed.ok:
-        print(f"error: logits differ from the no-cache reference beyond tolerance: "
-              f"{failed or 'mixed lengths'}")
-        return 1
-    return 0
+def seed_ratios(timings: dict[str, StrategyTiming]) -> dict:
+    """Stock compile (guards checked on every call) over guard-free, per step and end to end,
+    beside the seed's before ÷ after; empty unless both strategies ran."""
+    if "stock" not in timings or "guard_free" not in timings:
+        return {}
+    seed, stock, free = reference("seed"), timings["stock"], timings["guard_free"]
+    return {"step_stock_over_guard_free": stock.median / free.median,
+            "e2e_stock_over_guard_free": stock.end_to_end_seconds / free.end_to_end_seconds,
+            "seed_step_ratio": seed["decode_step_ms_before"] / seed["decode_step_ms_after"],
+            "seed_e2e_ratio": seed["e2e_latency_s_before"] / seed["e2e_latency_s_after"]}

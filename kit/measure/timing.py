@@ -1,0 +1,124 @@
+"""Clocks and timing statistics (chapters 00, 03, 04, 05).
+
+Every timing here follows the same rules: the device is synchronized before a clock is read
+(CUDA events on a GPU, a monotonic clock on the CPU), warm-up calls are made and kept apart,
+many repeats give a median and a spread, and functions compared with each other are timed
+interleaved, so a busy neighbour slows them alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kit.measure.device import synchronize
+
+
+@dataclass
+class Timings:
+    """Repeated measurements in seconds, summarized as median and spread."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    def quantile(self, q: float) -> float:
+        s = sorted(self.seconds)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    @property
+    def spread(self) -> float:
+        """p90 - p10, in seconds."""
+        return self.quantile(0.9) - self.quantile(0.1)
+
+
+def time_fn(fn, device: str, repeats: int = 20, warmup: int = 3) -> Timings:
+    """Time `fn()` `repeats` times after `warmup` calls: CUDA events on GPU, a monotonic clock
+    on the CPU, the device synchronized before each clock read."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    out = Timings()
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.seconds.append(time.perf_counter() - t0)
+    return out
+
+
+class StepClock:
+    """Per-step times: CUDA events on a GPU (read once at the end, so timing never stalls the
+    queue), a monotonic clock on the CPU. Only what lies between `start` and `stop` counts."""
+
+    def __init__(self, device: str):
+        self.cuda, self.marks = device == "cuda", []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        self.marks.append([self._mark()])
+
+    def stop(self):
+        self.marks[-1].append(self._mark())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
+        return [b - a for a, b in self.marks]
+
+
+def interleaved_timings(fns: dict, device: str, rounds: int, calls: int) -> dict[str, list]:
+    """Each function timed `calls` times per round, in alternating order round after round, so
+    a busy neighbour slows every function alike: {name: [Timings of each round]}."""
+    out = {name: [] for name in fns}
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, fn in (items if r % 2 == 0 else items[::-1]):
+            out[name].append(time_fn(fn, device, repeats=calls, warmup=1))
+    return out
+
+
+def paired_difference(through: list, direct: list) -> float:
+    """Median over rounds of (quickest call through - quickest direct call) in the same round.
+    Noise only ever adds time, so each round's quickest call is its best estimate of the true
+    cost, and pairing the rounds cancels what the machine did in between."""
+    return statistics.median(min(a.seconds) - min(b.seconds) for a, b in zip(through, direct))
+
+
+def per_round_best(rounds: list) -> Timings:
+    """Each round's quickest call: on a shared machine the best estimate a round gives (the
+    median over rounds then keeps one lucky round from deciding)."""
+    return Timings([min(r.seconds) for r in rounds])
+
+
+def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
+    """Mean time per call of the profiler's "TorchDynamo Cache Lookup" events (the lookup of
+    the cache entry, guards included); None when the profiler records none."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    events = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
+    if not events:
+        return None
+    return sum(e.cpu_time_total for e in events) / 1e6 / calls

@@ -1,0 +1,307 @@
+"""Tables for the chapters: a small `Table` that shows as HTML in JupyterLab and as text in
+logs, byte sizes in human units, and the rows each chapter shows of its results."""
+from __future__ import annotations
+
+import html
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+class Table:
+    """A small table that shows as HTML in JupyterLab and as text in logs."""
+
+    def __init__(self, rows: list[dict], title: str = ""):
+        self.rows, self.title = rows, title
+        self.columns = list(dict.fromkeys(k for r in rows for k in r))
+
+    def _cells(self, row):
+        return [str(row.get(c, "")) for c in self.columns]
+
+    def __repr__(self):
+        widths = [max([len(c)] + [len(self._cells(r)[i]) for r in self.rows])
+                  for i, c in enumerate(self.columns)]
+        lines = [self.title] if self.title else []
+        lines.append("  ".join(c.ljust(w) for c, w in zip(self.columns, widths)))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(self._cells(r), widths)) for r in self.rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self):
+        head = "".join(f"<th>{c}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in self._cells(r)) + "</tr>"
+                       for r in self.rows)
+        caption = f"<caption>{self.title}</caption>" if self.title else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def model_table(settings, *names: str) -> Table:
+    """The model's shape and the run's dtype and device, then the settings `names`."""
+    a = settings.arch
+    row = {"model": a.name, "family": a.family, "layers": a.num_hidden_layers,
+           "hidden": a.hidden_size,
+           "heads / KV heads": f"{a.num_attention_heads} / {a.num_key_value_heads}",
+           "head_dim": a.head_dim, "parameters": f"{a.num_parameters():,}",
+           "dtype": settings.dtype, "device": settings.device}
+    row.update({n: getattr(settings, n) for n in names})
+    return Table([row])
+
+
+# --- chapter 00 -------------------------------------------------------------------------------
+
+class Verdict:
+    """Chapter 00's verdict (`kit.studies.setup_check.Readiness`): a coloured box in
+    JupyterLab, its text in logs."""
+
+    def __init__(self, readiness):
+        self.readiness = readiness
+
+    def __repr__(self):
+        return repr(self.readiness)
+
+    def _repr_html_(self):
+        r = self.readiness
+        colour, text = ("#1a7f37", "#dafbe1") if r.ready else ("#cf222e", "#ffebe9")
+        items = "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(f)}</li>" for n, f in r.todo)
+        head = html.escape(repr(r).splitlines()[0])
+        return (f'<div class="kit-readiness" style="background:{text};color:{colour};'
+                f'padding:12px 16px;border-radius:6px;font-size:1.2em"><b>{head}</b>'
+                f'{"<ul style=color:#1d2329>" + items + "</ul>" if items else ""}</div>')
+
+
+def probes_table(p) -> Table:
+    """Chapter 00's probes (`kit.studies.setup_check.Probes`)."""
+    return Table([
+        {"probe": "memory measurement",
+         "result": p.seen_error or f"{fmt_bytes(p.seen_bytes)} seen of {fmt_bytes(p.probe_bytes)}"},
+        {"probe": "torch.compile",
+         "result": p.compile_error or f"compiled and matched eager in {p.compile_seconds:.1f} s"},
+        {"probe": f"{p.matmul_size}×{p.matmul_size} fp32 matmul",
+         "result": f"{p.matmul.median * 1e3:.3f} ms median (p10–p90 spread "
+                   f"{p.matmul.spread * 1e3:.3f} ms), {p.matmul_gflops:,.1f} GFLOP/s"}])
+
+
+# --- chapter 01 -------------------------------------------------------------------------------
+
+def profiles_table(profiles: dict) -> Table:
+    """Chapter 01's profiles (`MemoryProfile` each) side by side."""
+    return Table([{"": name, "tokens × seqs": f"{p.num_tokens} in {p.num_seqs}",
+                   "weights": fmt_bytes(p.weights_bytes),
+                   "peak activations": fmt_bytes(p.peak_activation_bytes),
+                   "non-torch": fmt_bytes(p.non_torch_bytes), "capacity": fmt_bytes(p.capacity_bytes),
+                   "budget": fmt_bytes(p.budget_bytes), "left for KV cache": fmt_bytes(p.kv_cache_bytes)}
+                  for name, p in profiles.items()])
+
+
+def memory_seed_table(v) -> Table:
+    """Chapter 01's ratios (`kit.studies.memory_profiling.VersusSeed`) beside the seed's."""
+    compiled, eager = v.seed_blocks
+    return Table([{"quantity": "KV cache, compiled profile ÷ eager profile",
+                   "measured here": f"{v.kv_ratio:.4f}",
+                   "seed (Gemma-2B, GPU)": f"{v.seed_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
+                  {"quantity": "peak activations, compiled ÷ eager",
+                   "measured here": f"{v.activation_ratio:.3f}",
+                   "seed (Gemma-2B, GPU)": "not published"}])
+
+
+# --- chapter 02 -------------------------------------------------------------------------------
+
+def sizing_table(sizing) -> Table:
+    """Chapter 02's blocks, tokens and concurrency (`KVCacheSizing`)."""
+    spec = sizing.spec
+    return Table([{"bytes per token": f"{spec.bytes_per_token:,}",
+                   "bytes per block": f"{spec.bytes_per_block:,}",
+                   "KV budget": fmt_bytes(sizing.budget_bytes),
+                   "num_blocks": f"{sizing.num_blocks:,}", "cache bytes": fmt_bytes(sizing.cache_bytes),
+                   "tokens": f"{sizing.num_tokens:,}",
+                   "max concurrency": f"{sizing.max_concurrency:.2f}×"}])
+
+
+def block_tables_table(allocator, shown: int = 12) -> Table:
+    """Each sequence's tokens and blocks, and the first `shown` entries of its block table."""
+    return Table([{"seq": seq, "tokens": allocator.lengths[seq], "blocks": len(t),
+                   "block table": t[:shown] + (["…"] if len(t) > shown else [])}
+                  for seq, t in allocator.tables.items()])
+
+
+def seed_blocks_table(a, model_name: str, device: str) -> Table:
+    """The seed's Gemma-2B blocks in bytes beside this run's (`SeedArithmetic`)."""
+    here = a.here_blocks
+    return Table([
+        {"": "seed, Gemma-2B (GPU)",
+         "compiled profile": f"{a.seed_blocks['compiled']:,} blocks = {fmt_bytes(a.seed_bytes('compiled'))}",
+         "eager profile": f"{a.seed_blocks['eager']:,} blocks = {fmt_bytes(a.seed_bytes('eager'))}",
+         "eager charged extra": f"{fmt_bytes(a.seed_extra_bytes)} "
+                                f"({1 - a.seed_bytes('eager') / a.seed_bytes('compiled'):.1%} of the cache)"},
+        {"": f"here, {model_name} ({device})", "compiled profile": f"{here['compiled']:,} blocks",
+         "eager profile": f"{here['eager']:,} blocks",
+         "eager charged extra": f"{fmt_bytes(a.here_extra_bytes)} "
+                                f"({1 - here['eager'] / max(1, here['compiled']):.1%} of the cache)"}])
+
+
+# --- chapter 03 -------------------------------------------------------------------------------
+
+def plans_table(comparison) -> Table:
+    """Chapter 03's plans as a learner reads them: units, and why a plan did not run."""
+    def us(x):
+        return "" if x is None else f"{x * 1e6:,.0f}"
+    rows = []
+    for r in comparison.results.values():
+        if not r.available:
+            rows.append({"#": r.number, "plan": r.name, "note": r.reason})
+            continue
+        rows.append({
+            "#": r.number, "plan": r.name, "serves with": r.serve,
+            "profiles with": r.profile_with + (", discarded" if r.discard else ""),
+            "compile s (profile / serve)": f"{r.profile_compile_seconds or 0:.1f} / "
+                                           f"{r.compile_seconds:.1f}",
+            "cache entries": r.cache_entries,
+            "guards": "" if r.guards_total is None else r.guards_total,
+            "graphs": r.graphs_compiled, "recompiles": r.recompiles,
+            "µs/forward": us(r.forward_seconds), "µs direct": us(r.direct_seconds),
+            "Dynamo µs/call": us(r.dynamo_overhead_seconds),
+            "cache lookup µs (profiler)": us(r.cache_lookup_seconds),
+            "peak activations MiB": f"{r.peak_activation_bytes / 2**20:,.2f}",
+            "KV blocks": f"{r.num_blocks:,}",
+            "max |diff| / max |eager|": "n/a (trace failed)" if r.max_rel_diff is None
+            else f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
+            "note": r.recompile_error or ""})
+    s = comparison.settings
+    return Table(rows, title=f"{s.arch.name}, {s.dtype}, {s.device}")
+
+
+def overhead_table(comparison, target: float) -> Table:
+    """Dynamo's cost per call at decode shape, per plan, against the `target` fraction."""
+    return Table([{"plan": r.name, "Dynamo µs per call": f"{r.dynamo_overhead_seconds * 1e6:,.1f}",
+                   "as a share of the graph's time": f"{r.overhead_fraction:.1%}",
+                   "from the quickest calls alone": f"{r.overhead_best_fraction:.1%}",
+                   f"within {target:.0%}?": "yes" if r.overhead_fraction <= target else "no"}
+                  for r in comparison.results.values() if r.overhead_fraction is not None],
+                 title="Dynamo's cost per call at decode shape (a benchmark target, noisy on a "
+                       "shared machine)")
+
+
+def mlp_probe_table(probe: dict, published_us: dict) -> Table:
+    """The tiny-MLP probe's per-call times beside the published ones."""
+    return Table([{"tiny MLP": name, "µs per call here": f"{p['seconds'] * 1e6:.1f}",
+                   "quickest call": f"{p['best_seconds'] * 1e6:.1f}",
+                   "µs above the graph called directly": f"{p['over_direct_seconds'] * 1e6:.1f}",
+                   "issue's one noisy run": published_us.get(name, "")}
+                  for name, p in probe.items()])
+
+
+def compile_seed_table(comparison, ratios: dict, seed: dict) -> Table:
+    """Chapter 03's ratios (`seed_ratios`) and Dynamo figures beside the seed's."""
+    r = comparison.results
+    p3, p4, stock, free = (r["profile_eager"], r["profile_compiled_discard"], r["stock"],
+                           r["guard_free"])
+    return Table([
+        {"quantity": "KV blocks, compiled profile ÷ eager profile (4 ÷ 3)",
+         "seed (Gemma-2B, GPU)": f"{ratios['seed_blocks_ratio']:.3f} "
+                                 f"({seed['kv_blocks_profile_compiled']} / {seed['kv_blocks_profile_eager']})",
+         "measured here": f"{ratios['measured_blocks_ratio']:.4f} ({p4.num_blocks:,} / {p3.num_blocks:,})"},
+        {"quantity": "decode step, profiling compile discarded ÷ kept (4 ÷ 2)",
+         "seed (Gemma-2B, GPU)": f"{ratios['seed_step_ratio']:.3f} "
+                                 f"({seed['decode_step_ms_after']} / {seed['decode_step_ms_before']} ms)",
+         "measured here": f"{ratios['measured_step_ratio']:.3f} "
+                          f"({p4.forward_seconds * 1e3:.2f} / {stock.forward_seconds * 1e3:.2f} ms)"},
+        {"quantity": "Dynamo overhead per step",
+         "seed (Gemma-2B, GPU)": f"{seed['dynamo_overhead_ms_low']}–{seed['dynamo_overhead_ms_high']} ms saved",
+         "measured here": f"stock {stock.dynamo_overhead_seconds * 1e3:.3f} ms, "
+                          f"guard-free {free.dynamo_overhead_seconds * 1e3:.3f} ms"},
+        {"quantity": "guards on the served code", "seed (Gemma-2B, GPU)": str(seed["served_guards"]),
+         "measured here": f"{p4.guards_total} (stock compile, {p4.cache_entries} entries), "
+                          f"{free.guards_total} guard-free"}])
+
+
+# --- chapter 04 -------------------------------------------------------------------------------
+
+def matmul_cell(breakdown) -> str:
+    """The weight matmuls' share of a profiled step and the rate they stream weights at."""
+    if breakdown is None or breakdown.gemm_bandwidth is None:
+        return "n/a"
+    share = breakdown.shares()["weight matmuls"]
+    return f"{share:.0%}, {breakdown.gemm_bandwidth / 1e9:,.1f}"
+
+
+def bandwidth_line(limits) -> str:
+    """The copy bandwidth samples of a run (`DeviceLimits`) in one line."""
+    samples = limits.bandwidth_samples
+    return (f"median {limits.bandwidth / 1e9:,.1f} GB/s of {len(samples)} measurements "
+            f"({min(samples) / 1e9:,.1f}–{max(samples) / 1e9:,.1f})")
+
+
+def decode_table(report) -> Table:
+    """Chapter 04's strategies (`DecodeReport`): step times, floor, correctness, matmuls."""
+    rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
+             "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
+             "median ms": f"{t.median * 1e3:.2f}",
+             "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
+             "end to end s": f"{t.end_to_end_seconds:.3f}",
+             "tokens/s": f"{t.tokens_per_second:,.0f}",
+             "% of floor": f"{t.percent_of_floor:.0f}%",
+             "max logit error": f"{t.correctness.max_error:.1e}",
+             "weight matmuls: share, GB/s": matmul_cell(t.breakdown)}
+            for t in report.timings.values()]
+    s = report.settings
+    return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
+                       f"{report.fit.steps} decode steps, {s.dtype}, {s.device}")
+
+
+def correctness_table(report) -> Table:
+    """Every run of chapter 04 against the no-cache reference."""
+    m = report.mixed
+    rows = [{"run": f"mixed lengths {report.mixed_lens} (eager)", "max error": f"{m.max_error:.1e}",
+             "tolerance": f"{m.tolerance:.0e}", "same greedy token": f"{m.token_agreement:.0%}"}]
+    rows += [{"run": name, "max error": f"{t.correctness.max_error:.1e}",
+              "tolerance": f"{t.correctness.tolerance:.0e}",
+              "same greedy token": f"{t.correctness.token_agreement:.0%}"}
+             for name, t in report.timings.items()]
+    return Table(rows, "Paged decode against the no-cache reference, every step")
+
+
+def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
+    """Warm-up, prefill, step and end to end per strategy, the seed's (and vLLM CPU's recorded
+    figures for this shape, when there are any) beside."""
+    rows = [{"strategy": n, "warm-up s (compile included)": f"{t.warmup_seconds:.2f}",
+             "prefill ms": f"{t.prefill_seconds * 1e3:.1f}", "median step ms": f"{t.median * 1e3:.2f}",
+             "end to end s": f"{t.end_to_end_seconds:.3f}", "tokens/s": f"{t.tokens_per_second:,.0f}"}
+            for n, t in report.timings.items()]
+    rows.append({"strategy": "seed (vLLM, Gemma-2B, GPU): before → after",
+                 "median step ms": f"{seed['decode_step_ms_before']} → {seed['decode_step_ms_after']}",
+                 "end to end s": f"{seed['e2e_latency_s_before']} → {seed['e2e_latency_s_after']}"})
+    if vllm:
+        rows.append({"strategy": "vLLM CPU 0.32, this shape (recorded): eager / compiled",
+                     "median step ms": f"{vllm['step_ms_eager']} / {vllm['step_ms_compiled']}"})
+    return Table(rows)
+
+
+def roofline_table(report) -> Table:
+    """Each strategy's median step against the bandwidth floor of the median step."""
+    cost = report.median_cost
+    return Table([{"strategy": n, "median step ms": f"{t.median * 1e3:.2f}",
+                   "floor ms": f"{report.median_floor_seconds * 1e3:.2f}",
+                   "% of bandwidth floor": f"{t.percent_of_floor:.0f}%",
+                   "achieved GB/s": f"{cost.total_bytes / t.median / 1e9:,.1f}",
+                   "achieved TFLOP/s": f"{cost.flops / t.median / 1e12:,.3f}"}
+                  for n, t in report.timings.items()])
+
+
+def step_parts_table(report) -> Table:
+    """Each strategy's median step split by its profile, with the rate the weight matmuls
+    stream the weights at beside the copy bandwidth."""
+    def row(name, t):
+        bw = t.breakdown.gemm_bandwidth
+        return {"strategy": name, "median step ms": f"{t.median * 1e3:.2f}",
+                **{f"{part} ms": f"{seconds * 1e3:.2f}"
+                   for part, seconds in t.breakdown.scaled(t.median).items()},
+                "weight matmuls GB/s": f"{bw / 1e9:,.1f}" if bw else "n/a (not seen)",
+                "copy GB/s": f"{report.limits.bandwidth / 1e9:,.1f}"}
+    steps = next(iter(report.timings.values())).breakdown.steps
+    return Table([row(n, t) for n, t in report.timings.items()],
+                 f"Each strategy's median step, split by a profile of {steps} more steps")

@@ -1,0 +1,76 @@
+"""Interactive controls for JupyterLab (chapter 02's KV cache calculator)."""
+from __future__ import annotations
+
+import ipywidgets as w
+from IPython.display import display
+
+from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
+from kit.show.plots import kv_calculator as calculator_figure
+from kit.studies.kv_cache import calculate
+
+GiB = 2**30
+
+
+MAX_MODEL_LENS = [2**k for k in range(7, 18)]
+
+
+def calculator_controls(settings, capacity_bytes: int) -> dict:
+    """One control per knob of the calculator, starting at the settings' values."""
+    controls = {
+        "model": w.Dropdown(options=list(dict.fromkeys([settings.model, *known_names(MODELS_DIR)])),
+                            value=settings.model),
+        "gpu_memory_utilization": w.FloatSlider(value=settings.gpu_memory_utilization, min=0.05,
+                                                max=1.0, step=0.01),
+        "device_memory_gib": w.FloatLogSlider(value=capacity_bytes / GiB, base=2, min=-2, max=8,
+                                              step=0.25, readout_format=".2f"),
+        "block_size": w.Dropdown(options=[8, 16, 32, 64, 128, 256], value=settings.block_size),
+        "kv_cache_dtype": w.Dropdown(options=list(KV_CACHE_DTYPES), value=settings.kv_cache_dtype),
+        "max_model_len": w.SelectionSlider(
+            options=MAX_MODEL_LENS, value=settings.max_model_len
+            if settings.max_model_len in MAX_MODEL_LENS else 1024),
+        "tensor_parallel_size": w.Dropdown(options=[1, 2, 4, 8],
+                                           value=settings.tensor_parallel_size),
+    }
+    for name, control in controls.items():
+        control.description = name
+        control.style = {"description_width": "170px"}
+        control.layout = w.Layout(width="480px")
+    return controls
+
+
+def numbers_html(split, source: str) -> str:
+    """The calculator's numbers in one line, vLLM's log line included."""
+    s = split.sizing
+    return (f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
+            f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.spec.bytes_per_block:,} B per "
+            f"block · activations {source} · <code>{s.log_line()}</code>"
+            + ("" if split.kv_bytes > 0 else " · <b>No available memory for the cache blocks</b>"))
+
+
+def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int):
+    """Controls for the knobs, a live figure and the numbers; returns the widget box."""
+    controls = calculator_controls(settings, capacity_bytes)
+    numbers = w.HTML()
+    numbers.add_class("kit-calculator-numbers")
+    out = w.Output()
+
+    def redraw(_=None):
+        v = {k: c.value for k, c in controls.items()}
+        out.clear_output(wait=True)
+        with out:
+            try:
+                split, source = calculate(
+                    settings, measured_activation_bytes, v.pop("model"),
+                    capacity_bytes=int(v.pop("device_memory_gib") * GiB), **v)
+            except ValueError as e:  # e.g. tensor_parallel_size not dividing the heads
+                numbers.value = f"<b>{e}</b>"
+                return
+            numbers.value = numbers_html(split, source)
+            calculator_figure(split).show()
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    redraw()
+    box = w.VBox([*controls.values(), numbers, out])
+    display(box)
+    return box

@@ -1,0 +1,96 @@
+"""Chapter 02, building the KV cache: the blocks a budget buys (the arithmetic is
+`kit.engine.kv_cache`), block tables handed to a batch of requests, the calculator behind the
+chapter's widget, and the seed's Gemma-2B blocks turned into bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kit.config import ModelConfig, Settings, reference
+from kit.engine.block_table import BlockAllocator
+from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
+                                 estimate_activation_bytes, split_budget)
+
+
+def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
+    """`batch_size` requests of mixed prompt lengths up to `input_len` (7 tokens apart) get
+    their blocks, then each generates `output_len` tokens: the allocator as it ends."""
+    allocator = BlockAllocator(num_blocks, settings.block_size)
+    prompt_lens = [max(1, settings.input_len - 7 * i) for i in range(settings.batch_size)]
+    for seq, n in enumerate(prompt_lens):
+        allocator.allocate(seq, n)
+    for _ in range(settings.output_len):
+        for seq in range(settings.batch_size):
+            allocator.append_token(seq)
+    return allocator
+
+
+def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None,
+              **knobs) -> tuple[BudgetSplit, str]:
+    """The calculator for `model` (default: the settings' model): the measured activations when
+    it is the profiled model, else the kit's eager estimate; returns the split and which one
+    ("measured" or "estimated"). `knobs`: `split_budget`'s arguments (capacity_bytes,
+    gpu_memory_utilization, block_size, ...)."""
+    profiled = model in (None, settings.model, settings.arch.name)
+    arch = settings.arch if profiled else ModelConfig.load(model)
+    if profiled:
+        activations, source = measured_activation_bytes, "measured"
+    else:
+        activations, source = estimate_activation_bytes(
+            arch, settings.max_num_batched_tokens, settings.max_num_seqs,
+            settings.dtype_bytes), "estimated"
+    knobs.setdefault("device_label", device_label(settings.device))  # the log line's "CPU"
+    return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
+
+
+def calculate_for_settings(settings: Settings, capacity: int,
+                           measured_activation_bytes: int) -> BudgetSplit:
+    """The calculator at the settings' own knobs (what the chapter's static figure shows)."""
+    return calculate(settings, measured_activation_bytes, capacity_bytes=capacity,
+                     gpu_memory_utilization=settings.gpu_memory_utilization,
+                     block_size=settings.block_size, kv_cache_dtype=settings.kv_cache_dtype,
+                     max_model_len=settings.max_model_len,
+                     tensor_parallel_size=settings.tensor_parallel_size)[0]
+
+
+@dataclass
+class SeedArithmetic:
+    """The seed's Gemma-2B blocks in bytes, beside this run's eager and compiled profiles."""
+
+    gemma: KVCacheSpec            # Gemma-2B's cache at the seed's block size, bf16
+    seed_blocks: dict[str, int]   # {"compiled": 34552, "eager": 25752}
+    here_blocks: dict[str, int]   # this run's blocks from each profile
+    bytes_per_block: int          # this run's
+    activation_delta: int         # eager peak - compiled peak, this run
+
+    def seed_bytes(self, profile: str) -> int:
+        return self.seed_blocks[profile] * self.gemma.bytes_per_block
+
+    @property
+    def seed_extra_bytes(self) -> int:
+        """What the eager profile charged beyond the compiled one, in the seed."""
+        return self.seed_bytes("compiled") - self.seed_bytes("eager")
+
+    @property
+    def here_extra_bytes(self) -> int:
+        return (self.here_blocks["compiled"] - self.here_blocks["eager"]) * self.bytes_per_block
+
+    def summary(self) -> dict:
+        return {"seed_bytes_per_block": self.gemma.bytes_per_block,
+                "seed_compiled_kv_bytes": self.seed_bytes("compiled"),
+                "seed_eager_kv_bytes": self.seed_bytes("eager"),
+                "seed_eager_extra_activation_bytes": self.seed_extra_bytes,
+                "blocks_eager_profile": self.here_blocks["eager"],
+                "blocks_compiled_profile": self.here_blocks["compiled"]}
+
+
+def seed_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> SeedArithmetic:
+    """`profiles`: chapter 01's summaries ("eager", "compiled"); `spec`: this run's cache."""
+    seed = reference("seed")
+    gemma = KVCacheSpec.for_model(ModelConfig.load(seed["model"]), seed["block_size"],
+                                  "bfloat16")
+    here = {k: max(0, p["kv_cache_bytes"]) // spec.bytes_per_block for k, p in profiles.items()}
+    delta = profiles["eager"]["peak_activation_bytes"] - profiles["compiled"]["peak_activation_bytes"]
+    return SeedArithmetic(gemma, {"compiled": seed["kv_blocks_profile_compiled"],
+                                  "eager": seed["kv_blocks_profile_eager"]},
+                          here, spec.bytes_per_block, delta)

@@ -1,0 +1,129 @@
+"""Chapter 00, the setup check: do the measurements work on this machine, and what to do when
+one does not. Probes that fail record their error instead of stopping the notebook, and the
+verdict names the fix for every failed check.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kit.measure.device import synchronize
+from kit.measure.memory import probe_measurement
+from kit.measure.timing import Timings, time_fn
+
+PROBE_BYTES = 64 * 2**20
+MATMUL_SIZE = 512
+MATMUL_REPEATS = 30
+
+
+def probe_compile(device: str) -> float:
+    """Compile and run a tiny function with Inductor; returns seconds. Fails loudly when the
+    machine lacks what Inductor needs (a C++ compiler on the CPU, Triton on a GPU)."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: torch.nn.functional.silu(x) * x + 1)
+    x = torch.randn(64, 64, device=device)
+    t0 = time.perf_counter()
+    out = fn(x)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    expected = torch.nn.functional.silu(x) * x + 1
+    if not torch.allclose(out, expected, atol=1e-5):
+        raise RuntimeError("torch.compile produced different numbers from eager")
+    torch._dynamo.reset()
+    return seconds
+
+
+def probe_matmul(device: str, size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> Timings:
+    """A `size`² float32 matmul timed with the kit's timer (warm-up apart, `repeats` calls)."""
+    a = torch.randn(size, size, device=device)
+    return time_fn(lambda: a @ a, device, repeats=repeats)
+
+
+def attempt(fn, *args):
+    """(fn(*args), None), or (None, "Error: message") when it raises: a probe that fails must
+    still let the setup check reach its verdict."""
+    try:
+        return fn(*args), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+@dataclass
+class Probes:
+    """What the three probes measured; an `*_error` is set where a probe failed."""
+
+    probe_bytes: int
+    seen_bytes: int | None
+    seen_error: str | None
+    compile_seconds: float | None
+    compile_error: str | None
+    matmul: Timings
+    matmul_size: int
+
+    @property
+    def matmul_gflops(self) -> float:
+        return 2 * self.matmul_size**3 / self.matmul.median / 1e9
+
+    def summary(self) -> dict:
+        return {"probe_bytes": self.probe_bytes, "probe_seen_bytes": self.seen_bytes,
+                "probe_compile_seconds": self.compile_seconds,
+                "matmul_median_s": self.matmul.median, "matmul_spread_s": self.matmul.spread,
+                "matmul_gflops": self.matmul_gflops}
+
+
+def run_probes(device: str) -> Probes:
+    """An exact allocation seen by the memory measurement, a compile against eager, a matmul."""
+    seen, seen_error = attempt(probe_measurement, device, PROBE_BYTES)
+    seconds, compile_error = attempt(probe_compile, device)
+    return Probes(PROBE_BYTES, seen, seen_error, seconds, compile_error, probe_matmul(device),
+                  MATMUL_SIZE)
+
+
+# What to do when a setup check fails, keyed by the start of the check's name.
+FIXES = {
+    "torch is": "Run ./setup.sh again (it pins torch 2.13.0 on the CPU); on a GPU machine create "
+                "the conda environment from environment.yml.",
+    "memory measurement": "Your torch build lacks the profiler's memory events: use the torch "
+                          "that ./setup.sh or environment.yml installs.",
+    "torch.compile": "Inductor needs a C++ compiler on the CPU (apt-get install g++, or conda "
+                     "install gxx) and Triton on a GPU (it comes with CUDA builds of torch).",
+    "timer": "The clock returned nothing usable: restart the kernel and run the notebook again; "
+             "if it persists, report your machine and versions.",
+    "the budget": "Give the kit more memory to work with: device_memory='2GiB' or more, or a "
+                  "higher gpu_memory_utilization.",
+    "papermill": "Run ./setup.sh (it installs every package the kit uses).",
+    "plotly": "Run ./setup.sh (it installs every package the kit uses).",
+    "ipywidgets": "Run ./setup.sh, then restart JupyterLab so the widgets' extension loads.",
+}
+
+
+def fix_for(check_name: str) -> str | None:
+    return next((fix for start, fix in FIXES.items() if check_name.startswith(start)), None)
+
+
+@dataclass
+class Readiness:
+    """Chapter 00's verdict: ready or not, and for each failed check what to do
+    (`kit.show.tables.verdict` shows it)."""
+
+    ready: bool
+    passed: int
+    total: int
+    seconds: float
+    todo: list[tuple[str, str]] = field(default_factory=list)
+
+    def __repr__(self):
+        head = (f"READY: all {self.total} checks passed in {self.seconds:.0f} s."
+                if self.ready else f"NOT READY: {self.total - self.passed} of {self.total} "
+                f"checks failed ({self.seconds:.0f} s). What to do:")
+        return "\n".join([head] + [f"- {name}: {fix}" for name, fix in self.todo])
+
+
+def readiness(checks: list[dict], seconds: float) -> Readiness:
+    """The verdict from the recorded checks (`rec.data["checks"]`): ready when all passed."""
+    failed = [c["name"] for c in checks if not c["ok"]]
+    todo = [(name, fix_for(name) or "See the notes above this cell.") for name in failed]
+    return Readiness(ready=bool(checks) and not failed, passed=len(checks) - len(failed),
+                     total=len(checks), seconds=seconds, todo=todo)

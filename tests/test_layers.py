@@ -1,0 +1,113 @@
+"""The kit's layers: every import inside kit/ (function-level ones included) goes to the same
+layer or one below it, and no module reaches itself through its imports. Quick: no torch."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KIT = Path(__file__).resolve().parent.parent / "kit"
+# bottom to top; a module may import from its own layer (without cycles) and those below
+LAYERS = ["config", "measure", "engine", "studies", "show", "run"]
+BOTTOM = {"kit.config", "kit.errors"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(KIT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(KIT.rglob("*.py"))}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every kit module `path` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{path}: use absolute imports (from kit.x import y)")
+    return {name for name in found if name in MODULES}
+
+
+GRAPH = {name: imports_of(path) - {name} for name, path in MODULES.items()}
+
+
+def layer(module: str) -> int | None:
+    """The layer's index, or None for the package itself and `python -m kit`."""
+    if module in BOTTOM:
+        return 0
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 or module.split(".")[-1] in LAYERS[1:] \
+        else None
+
+
+def test_every_module_sits_in_a_layer():
+    assert {m for m in MODULES if layer(m) is None} == {"kit", "kit.__main__"}
+    for m in MODULES:
+        if layer(m) is not None and m not in BOTTOM:
+            assert m.split(".")[1] in LAYERS, m
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer(m) is not None))
+def test_imports_go_down_or_across(module):
+    up = sorted(dep for dep in GRAPH[module] if layer(dep) is None or layer(dep) > layer(module))
+    assert not up, f"{module} imports from layers above it: {up}"
+
+
+def test_the_package_itself_needs_only_the_bottom_layer():
+    assert GRAPH["kit"] <= BOTTOM
+    assert GRAPH["kit.__main__"] == {"kit.run.cli"}
+
+
+def find_cycle(graph: dict) -> list[str] | None:
+    """One cycle of `graph` (a path that returns to its start), or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep, path + [dep])):
+                return cycle
+        state[node] = "done"
+        return None
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def fresh_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=KIT.parent)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_settings_and_the_report_commands_start_without_torch(tmp_path):
+    """Loading settings for the CPU, `python -m kit presets` and `--help` import no torch (nor
+    Dynamo): validation needs only the bottom layer."""
+    code = ("import sys, contextlib, io\n"
+            "import kit\n"
+            "assert kit.load(device='cpu').arch.name == 'tiny'\n"
+            "from kit.run.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['presets'])\n"
+            "print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))")
+    assert fresh_python(code) == "[]"
