@@ -47,6 +47,13 @@ def artifact(request):
     return path
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses a headless run of notebooks is slow, whatever its module."""
+    for item in items:
+        if {"cpu_small_run", "not_ready_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     written = [p for p in config.stash.get(_ARTIFACTS_WRITTEN, []) if p.is_file()]
     if written:

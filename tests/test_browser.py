@@ -21,6 +21,7 @@ import pytest
 from kit.run.report import write_compare
 from kit.run.runner import NOTEBOOKS_DIR
 
+pytestmark = pytest.mark.browser
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
 NO_CHROMIUM = ("Chromium not found (looked at $KIT_CHROMIUM, then `chromium` and `chromium-browser` "

@@ -114,6 +114,7 @@ def test_decode_batch_sizes_visit_one_and_the_full_batch():
     assert len(set(decode_batch_sizes(8))) >= 5  # sizes between, not only the two ends
 
 
+@pytest.mark.slow
 def test_bench_command_prints_the_table_as_json(capsys):
     code = main(["bench", "compile", "-p", "max_num_batched_tokens=256", "--rounds", "2",
                  "--calls", "2", "--no-probe", "--plans", "profile_eager",

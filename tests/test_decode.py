@@ -167,6 +167,7 @@ def test_strategies_setting_accepts_lists_and_strings():
     assert kit.load("cpu-small").strategies is None
 
 
+@pytest.mark.slow
 def test_bench_decode_writes_json_and_a_table(tmp_path, capsys):
     out = tmp_path / "decode.json"
     code = main(["bench", "decode", "-p", "strategies=eager", "-p", "output_len=4",

@@ -1,5 +1,6 @@
 """Every chapter executed headless on cpu-small, through the runner, as a learner would
 (the run is the session fixture `cpu_small_run` of conftest.py); notebooks stored workshop-ready."""
+import ast
 import json
 
 import nbformat
@@ -52,6 +53,26 @@ def test_notebooks_are_stored_clean_and_workshop_ready(path):
     to_try = markdown[-1].source.split("Things to try", 1)
     assert len(to_try) == 2 and to_try[1].count("\n- ") >= 2, "the last text lacks 'Things to try'"
     assert nb.cells[-1].cell_type == "code" and nb.cells[-1].source.strip() == "rec.finish()"
+
+
+MAX_CELL_LINES = 12
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_notebooks_are_thin(path):
+    """Narrative, parameters, calls and checks: the parameters cell holds plain literals, they
+    reach the settings through `kit.notebook_settings` (never listed again), and no other code
+    cell runs over MAX_CELL_LINES lines (the logic lives in kit/)."""
+    code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    params, cells = code[0], code[1:]
+    for statement in ast.parse(params.source).body:
+        assert isinstance(statement, ast.Assign), ast.unparse(statement)
+        ast.literal_eval(statement.value)  # raises unless a plain literal
+    assert "settings = kit.notebook_settings(globals())" in cells[0].source
+    assert not any("kit.load(" in c.source for c in cells)
+    long = {i: len(c.source.splitlines()) for i, c in enumerate(cells, 2)
+            if len(c.source.splitlines()) > MAX_CELL_LINES}
+    assert not long, f"code cells (number: lines) over {MAX_CELL_LINES} lines: {long}"
 
 
 def test_chapter_00_gives_a_verdict(cpu_small_run):

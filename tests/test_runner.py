@@ -11,6 +11,7 @@ from kit.run.runner import find_notebooks, parse_params, run
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.mark.slow
 def test_broken_notebook_is_reported_and_the_others_still_run(tmp_path, capsys):
     code, folder = run("cpu-small", [str(FIXTURES / "broken.ipynb"), "00"], out=tmp_path,
                        progress=False)
@@ -33,6 +34,7 @@ def test_broken_notebook_is_reported_and_the_others_still_run(tmp_path, capsys):
     assert "<pre>raise RuntimeError(&quot;deliberately broken&quot;)</pre>" in (folder / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_failed_check_fails_the_run_and_is_named(tmp_path):
     code, folder = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path,
                        progress=False)
@@ -53,6 +55,7 @@ def test_bad_value_refused_before_anything_runs(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_runs_never_overwrite_each_other(tmp_path):
     _, a = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path, progress=False)
     _, b = run("cpu-small", [str(FIXTURES / "failing_check.ipynb")], out=tmp_path, progress=False)

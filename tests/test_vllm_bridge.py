@@ -20,7 +20,8 @@ from kit.engine.kv_cache import KVCacheSpec
 from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
 from kit.studies.vllm_bridge import run_engine, run_settings, vllm_missing
 
-pytestmark = pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
 
 MODELS = known_names(MODELS_DIR)
 BUDGETS = ["64MiB", "1GiB", 10**10 + 12345]

@@ -3,7 +3,7 @@ reference to check them against (timing per strategy: `kit.studies.decode_timing
 
 A batch of prompts is prefilled into the cache through chapter 02's `BlockAllocator`; then each
 decode step feeds one token per sequence, and its attention reads keys and values back through
-the block table (`kit.model.paged_decode_attention`). The step is built to compile well: its
+the block table (`kit.engine.model.paged_decode_attention`). The step is built to compile well: its
 inputs are the same tensors every step (token ids, positions, block tables, the cache), updated
 in place, with shapes fixed by the batch size and the table's width; there is no Python
 control flow on their values. So one compiled graph, or one CUDA graph, serves every step.

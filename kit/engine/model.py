@@ -55,7 +55,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
-    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (kit.engine.kv_cache)
+    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (engine.kv_cache)
     slot_mapping: [tokens] flat slot (block × block_size + offset) of each token's K and V
     block_tables: [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
     context_lens: [num_seqs] tokens each sequence attends to (its new token included)

@@ -305,3 +305,17 @@ def step_parts_table(report) -> Table:
     steps = next(iter(report.timings.values())).breakdown.steps
     return Table([row(n, t) for n, t in report.timings.items()],
                  f"Each strategy's median step, split by a profile of {steps} more steps")
+
+
+# --- chapter 05 -------------------------------------------------------------------------------
+
+def engines_table(runs: dict) -> Table:
+    """The started vLLM engines (`EngineRun` per mode): compilation, start-up, KV log line,
+    threads and decode steps."""
+    return Table([{"mode": mode,
+                   "compilation": f"{r.compilation_mode} / {r.compile_backend if mode == 'compiled' else '-'}",
+                   "start-up (s)": f"{r.startup_seconds:.1f}", "compile (s)": f"{r.compile_seconds or 0:.1f}",
+                   "KV log line": r.kv_log_line, "threads": r.torch_threads,
+                   "step median (ms)": f"{r.decode_step_median * 1e3:.3f}",
+                   "step p90 - p10 (ms)": f"{r.decode_step_spread * 1e3:.3f}"}
+                  for mode, r in runs.items()])

@@ -56,17 +56,18 @@ def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int)
 
     def redraw(_=None):
         v = {k: c.value for k, c in controls.items()}
-        out.clear_output(wait=True)
-        with out:
-            try:
-                split, source = calculate(
-                    settings, measured_activation_bytes, v.pop("model"),
-                    capacity_bytes=int(v.pop("device_memory_gib") * GiB), **v)
-            except ValueError as e:  # e.g. tensor_parallel_size not dividing the heads
-                numbers.value = f"<b>{e}</b>"
-                return
-            numbers.value = numbers_html(split, source)
-            calculator_figure(split).show()
+        try:
+            split, source = calculate(settings, measured_activation_bytes, v.pop("model"),
+                                      capacity_bytes=int(v.pop("device_memory_gib") * GiB), **v)
+        except ValueError as e:  # e.g. tensor_parallel_size not dividing the heads
+            numbers.value = f"<b>{e}</b>"
+            out.outputs = ()
+            return
+        numbers.value = numbers_html(split, source)
+        # The figure replaces the widget's outputs as state, not through `with out:` capture,
+        # which a headless run (nbclient) can wait on forever.
+        out.outputs = ()
+        out.append_display_data(calculator_figure(split))
 
     for control in controls.values():
         control.observe(redraw, names="value")

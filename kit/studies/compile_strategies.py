@@ -3,8 +3,8 @@ buys, measured on one model, one set of inputs and one set of settings.
 
 Each row of the chapter is a *plan*: how the profiling run is executed (by which strategy, and
 whether that compilation is thrown away afterwards) and by which strategy the model is then
-served (a `kit.engine.runners` runner). For each plan `compare` measures: compile time, guards and cache
-entries on the served code, graphs compiled and recompiles over a realistic sequence of decode
+served (a `kit.engine.runners` runner). For each plan `compare` measures: compile time, guards
+and cache entries on the served code, graphs compiled and recompiles over a realistic sequence of decode
 batch sizes, the per-call cost of Dynamo (through Dynamo versus the same compiled graph called
 directly, and the profiler's "TorchDynamo Cache Lookup"), the profile's peak memory and the KV
 cache blocks it leaves (chapters 01 and 02), the time of one forward at decode shape, and the
@@ -361,7 +361,8 @@ def seed_ratios(comparison: Comparison) -> dict:
     (4 ÷ 2)."""
     seed, r = reference("seed"), comparison.results
     p3, p4, stock = r["profile_eager"], r["profile_compiled_discard"], r["stock"]
-    return {"seed_blocks_ratio": seed["kv_blocks_profile_compiled"] / seed["kv_blocks_profile_eager"],
+    return {"seed_blocks_ratio":
+            seed["kv_blocks_profile_compiled"] / seed["kv_blocks_profile_eager"],
             "measured_blocks_ratio": p4.num_blocks / p3.num_blocks,
             "seed_step_ratio": seed["decode_step_ms_after"] / seed["decode_step_ms_before"],
             "measured_step_ratio": p4.forward_seconds / stock.forward_seconds}

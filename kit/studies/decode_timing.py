@@ -1,9 +1,9 @@
 """Chapter 04, decode timing per strategy against the roofline (also `python -m kit bench decode`).
 
 `run_decode(settings)` checks the request first (nothing heavy before the errors a learner can
-fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else what chapter 01's eager
-memory profile leaves: it needs no compilation), measures the device's copy bandwidth and matmul throughput, checks a batch of
-mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
+fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else what chapter 01's
+eager memory profile leaves: it needs no compilation), measures the device's copy bandwidth
+and matmul throughput, checks a batch of mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
 (compilation, CUDA graph capture) reported apart, and a timed run of `output_len - 1` decode
 steps after the prefill, each step timed and its logits checked against the reference;
 `num_iters` timed runs per strategy, interleaved.

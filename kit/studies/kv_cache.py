@@ -90,7 +90,7 @@ def seed_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> SeedArithme
     gemma = KVCacheSpec.for_model(ModelConfig.load(seed["model"]), seed["block_size"],
                                   "bfloat16")
     here = {k: max(0, p["kv_cache_bytes"]) // spec.bytes_per_block for k, p in profiles.items()}
-    delta = profiles["eager"]["peak_activation_bytes"] - profiles["compiled"]["peak_activation_bytes"]
+    peaks = {k: p["peak_activation_bytes"] for k, p in profiles.items()}
     return SeedArithmetic(gemma, {"compiled": seed["kv_blocks_profile_compiled"],
                                   "eager": seed["kv_blocks_profile_eager"]},
-                          here, spec.bytes_per_block, delta)
+                          here, spec.bytes_per_block, peaks["eager"] - peaks["compiled"])
