@@ -1,6 +1,8 @@
 """Interactive controls for JupyterLab (chapter 02's KV cache calculator)."""
 from __future__ import annotations
 
+import json
+
 import ipywidgets as w
 from IPython.display import display
 
@@ -47,6 +49,15 @@ def numbers_html(split, source: str) -> str:
             + ("" if split.kv_bytes > 0 else " · <b>No available memory for the cache blocks</b>"))
 
 
+def figure_output(fig) -> dict:
+    """`fig` as one display output of an Output widget, in plotly's mime type (what
+    `fig.show()` sends). Set as the widget's state, not printed inside `with out:`: a headless
+    run (papermill, through nbclient) can wait forever on that capture."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
+                     "text/plain": f"<figure: {fig.layout.title.text}>"}}
+
+
 def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int):
     """Controls for the knobs, a live figure and the numbers; returns the widget box."""
     controls = calculator_controls(settings, capacity_bytes)
@@ -64,10 +75,7 @@ def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int)
             out.outputs = ()
             return
         numbers.value = numbers_html(split, source)
-        # The figure replaces the widget's outputs as state, not through `with out:` capture,
-        # which a headless run (nbclient) can wait on forever.
-        out.outputs = ()
-        out.append_display_data(calculator_figure(split))
+        out.outputs = (figure_output(calculator_figure(split)),)
 
     for control in controls.values():
         control.observe(redraw, names="value")
