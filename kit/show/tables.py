@@ -41,14 +41,17 @@ class Table:
 
 
 def model_table(settings, *names: str) -> Table:
-    """The model's shape and the run's dtype and device, then the settings `names`."""
+    """The model's shape and the run's dtype and device, then the settings `names` (sizes in
+    bytes shown in KiB, MiB or GiB)."""
     a = settings.arch
     row = {"model": a.name, "family": a.family, "layers": a.num_hidden_layers,
            "hidden": a.hidden_size,
            "heads / KV heads": f"{a.num_attention_heads} / {a.num_key_value_heads}",
            "head_dim": a.head_dim, "parameters": f"{a.num_parameters():,}",
            "dtype": settings.dtype, "device": settings.device}
-    row.update({n: getattr(settings, n) for n in names})
+    values = {n: getattr(settings, n) for n in names}
+    row.update({n: fmt_bytes(v) if n.endswith("_bytes") and v is not None else v
+                for n, v in values.items()})
     return Table([row])
 
 
