@@ -166,6 +166,11 @@ def check_tensor_parallel(arch: ModelConfig, tensor_parallel_size: int) -> None:
                           f"{arch.name}'s num_attention_heads={arch.num_attention_heads}")
 
 
+def check_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={name!r}: use one of {list(KV_CACHE_DTYPES)}")
+
+
 def available_strategies(device: str) -> tuple[str, ...]:
     """The strategies that can run on `device` (CUDA graphs need a GPU)."""
     return tuple(s for s in STRATEGIES if s != "cuda_graphs" or device == "cuda")
@@ -249,9 +254,7 @@ class Settings:
             raise ConfigError(f"input_len + output_len = {self.input_len + self.output_len} "
                               f"exceeds max_model_len={self.max_model_len}")
         check_tensor_parallel(arch, self.tensor_parallel_size)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of "
-                              f"{list(KV_CACHE_DTYPES)}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.batch_size > self.max_num_seqs:
             raise ConfigError(f"batch_size={self.batch_size} is above max_num_seqs="
                               f"{self.max_num_seqs}; raise max_num_seqs or lower batch_size")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_tensor_parallel
+from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
 from kit.errors import ConfigError
 
 GiB = 2**30
@@ -36,8 +36,7 @@ def device_label(device: str) -> str:
 
 
 def cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {list(KV_CACHE_DTYPES)}")
+    check_kv_cache_dtype(kv_cache_dtype)
     return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
 
 
