@@ -96,8 +96,9 @@ def profiles_table(profiles: dict) -> Table:
     return Table([{"": name, "tokens × seqs": f"{p.num_tokens} in {p.num_seqs}",
                    "weights": fmt_bytes(p.weights_bytes),
                    "peak activations": fmt_bytes(p.peak_activation_bytes),
-                   "non-torch": fmt_bytes(p.non_torch_bytes), "capacity": fmt_bytes(p.capacity_bytes),
-                   "budget": fmt_bytes(p.budget_bytes), "left for KV cache": fmt_bytes(p.kv_cache_bytes)}
+                   "non-torch": fmt_bytes(p.non_torch_bytes),
+                   "capacity": fmt_bytes(p.capacity_bytes), "budget": fmt_bytes(p.budget_bytes),
+                   "left for KV cache": fmt_bytes(p.kv_cache_bytes)}
                   for name, p in profiles.items()])
 
 
@@ -120,7 +121,8 @@ def sizing_table(sizing) -> Table:
     return Table([{"bytes per token": f"{spec.bytes_per_token:,}",
                    "bytes per block": f"{spec.bytes_per_block:,}",
                    "KV budget": fmt_bytes(sizing.budget_bytes),
-                   "num_blocks": f"{sizing.num_blocks:,}", "cache bytes": fmt_bytes(sizing.cache_bytes),
+                   "num_blocks": f"{sizing.num_blocks:,}",
+                   "cache bytes": fmt_bytes(sizing.cache_bytes),
                    "tokens": f"{sizing.num_tokens:,}",
                    "max concurrency": f"{sizing.max_concurrency:.2f}×"}])
 
@@ -137,14 +139,18 @@ def seed_blocks_table(a, model_name: str, device: str) -> Table:
     here = a.here_blocks
     return Table([
         {"": "seed, Gemma-2B (GPU)",
-         "compiled profile": f"{a.seed_blocks['compiled']:,} blocks = {fmt_bytes(a.seed_bytes('compiled'))}",
-         "eager profile": f"{a.seed_blocks['eager']:,} blocks = {fmt_bytes(a.seed_bytes('eager'))}",
+         "compiled profile": f"{a.seed_blocks['compiled']:,} blocks = "
+                             f"{fmt_bytes(a.seed_bytes('compiled'))}",
+         "eager profile": f"{a.seed_blocks['eager']:,} blocks = "
+                          f"{fmt_bytes(a.seed_bytes('eager'))}",
          "eager charged extra": f"{fmt_bytes(a.seed_extra_bytes)} "
-                                f"({1 - a.seed_bytes('eager') / a.seed_bytes('compiled'):.1%} of the cache)"},
+                                f"({1 - a.seed_bytes('eager') / a.seed_bytes('compiled'):.1%} "
+                                "of the cache)"},
         {"": f"here, {model_name} ({device})", "compiled profile": f"{here['compiled']:,} blocks",
          "eager profile": f"{here['eager']:,} blocks",
          "eager charged extra": f"{fmt_bytes(a.here_extra_bytes)} "
-                                f"({1 - here['eager'] / max(1, here['compiled']):.1%} of the cache)"}])
+                                f"({1 - here['eager'] / max(1, here['compiled']):.1%} "
+                                "of the cache)"}])
 
 
 # --- chapter 03 -------------------------------------------------------------------------------
@@ -206,18 +212,24 @@ def compile_seed_table(comparison, ratios: dict, seed: dict) -> Table:
     return Table([
         {"quantity": "KV blocks, compiled profile ÷ eager profile (4 ÷ 3)",
          "seed (Gemma-2B, GPU)": f"{ratios['seed_blocks_ratio']:.3f} "
-                                 f"({seed['kv_blocks_profile_compiled']} / {seed['kv_blocks_profile_eager']})",
-         "measured here": f"{ratios['measured_blocks_ratio']:.4f} ({p4.num_blocks:,} / {p3.num_blocks:,})"},
+                                 f"({seed['kv_blocks_profile_compiled']} / "
+                                 f"{seed['kv_blocks_profile_eager']})",
+         "measured here": f"{ratios['measured_blocks_ratio']:.4f} "
+                          f"({p4.num_blocks:,} / {p3.num_blocks:,})"},
         {"quantity": "decode step, profiling compile discarded ÷ kept (4 ÷ 2)",
          "seed (Gemma-2B, GPU)": f"{ratios['seed_step_ratio']:.3f} "
-                                 f"({seed['decode_step_ms_after']} / {seed['decode_step_ms_before']} ms)",
+                                 f"({seed['decode_step_ms_after']} / "
+                                 f"{seed['decode_step_ms_before']} ms)",
          "measured here": f"{ratios['measured_step_ratio']:.3f} "
-                          f"({p4.forward_seconds * 1e3:.2f} / {stock.forward_seconds * 1e3:.2f} ms)"},
+                          f"({p4.forward_seconds * 1e3:.2f} / "
+                          f"{stock.forward_seconds * 1e3:.2f} ms)"},
         {"quantity": "Dynamo overhead per step",
-         "seed (Gemma-2B, GPU)": f"{seed['dynamo_overhead_ms_low']}–{seed['dynamo_overhead_ms_high']} ms saved",
+         "seed (Gemma-2B, GPU)": f"{seed['dynamo_overhead_ms_low']}–"
+                                 f"{seed['dynamo_overhead_ms_high']} ms saved",
          "measured here": f"stock {stock.dynamo_overhead_seconds * 1e3:.3f} ms, "
                           f"guard-free {free.dynamo_overhead_seconds * 1e3:.3f} ms"},
-        {"quantity": "guards on the served code", "seed (Gemma-2B, GPU)": str(seed["served_guards"]),
+        {"quantity": "guards on the served code",
+         "seed (Gemma-2B, GPU)": str(seed["served_guards"]),
          "measured here": f"{p4.guards_total} (stock compile, {p4.cache_entries} entries), "
                           f"{free.guards_total} guard-free"}])
 
@@ -272,12 +284,16 @@ def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
     """Warm-up, prefill, step and end to end per strategy, the seed's (and vLLM CPU's recorded
     figures for this shape, when there are any) beside."""
     rows = [{"strategy": n, "warm-up s (compile included)": f"{t.warmup_seconds:.2f}",
-             "prefill ms": f"{t.prefill_seconds * 1e3:.1f}", "median step ms": f"{t.median * 1e3:.2f}",
-             "end to end s": f"{t.end_to_end_seconds:.3f}", "tokens/s": f"{t.tokens_per_second:,.0f}"}
+             "prefill ms": f"{t.prefill_seconds * 1e3:.1f}",
+             "median step ms": f"{t.median * 1e3:.2f}",
+             "end to end s": f"{t.end_to_end_seconds:.3f}",
+             "tokens/s": f"{t.tokens_per_second:,.0f}"}
             for n, t in report.timings.items()]
     rows.append({"strategy": "seed (vLLM, Gemma-2B, GPU): before → after",
-                 "median step ms": f"{seed['decode_step_ms_before']} → {seed['decode_step_ms_after']}",
-                 "end to end s": f"{seed['e2e_latency_s_before']} → {seed['e2e_latency_s_after']}"})
+                 "median step ms":
+                     f"{seed['decode_step_ms_before']} → {seed['decode_step_ms_after']}",
+                 "end to end s":
+                     f"{seed['e2e_latency_s_before']} → {seed['e2e_latency_s_after']}"})
     if vllm:
         rows.append({"strategy": "vLLM CPU 0.32, this shape (recorded): eager / compiled",
                      "median step ms": f"{vllm['step_ms_eager']} / {vllm['step_ms_compiled']}"})
@@ -316,8 +332,10 @@ def engines_table(runs: dict) -> Table:
     """The started vLLM engines (`EngineRun` per mode): compilation, start-up, KV log line,
     threads and decode steps."""
     return Table([{"mode": mode,
-                   "compilation": f"{r.compilation_mode} / {r.compile_backend if mode == 'compiled' else '-'}",
-                   "start-up (s)": f"{r.startup_seconds:.1f}", "compile (s)": f"{r.compile_seconds or 0:.1f}",
+                   "compilation": f"{r.compilation_mode} / "
+                                  f"{r.compile_backend if mode == 'compiled' else '-'}",
+                   "start-up (s)": f"{r.startup_seconds:.1f}",
+                   "compile (s)": f"{r.compile_seconds or 0:.1f}",
                    "KV log line": r.kv_log_line, "threads": r.torch_threads,
                    "step median (ms)": f"{r.decode_step_median * 1e3:.3f}",
                    "step p90 - p10 (ms)": f"{r.decode_step_spread * 1e3:.3f}"}
