@@ -6,6 +6,7 @@ import json
 import nbformat
 import pytest
 
+from kit.config import PARAMETERS
 from kit.run.runner import NOTEBOOKS_DIR, find_notebooks
 
 CHAPTERS = [p.stem for p in find_notebooks([])]
@@ -61,8 +62,8 @@ MAX_CELL_LINES = 12
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebooks_are_thin(path):
     """Narrative, parameters, calls and checks: the parameters cell holds plain literals, they
-    reach the settings through `kit.notebook_settings` (never listed again), and no other code
-    cell runs over MAX_CELL_LINES lines (the logic lives in kit/)."""
+    reach the settings through `kit.notebook_settings` (never listed again, never rebound), and
+    no other code cell runs over MAX_CELL_LINES lines (the logic lives in kit/)."""
     code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
     params, cells = code[0], code[1:]
     for statement in ast.parse(params.source).body:
@@ -70,6 +71,11 @@ def test_notebooks_are_thin(path):
         ast.literal_eval(statement.value)  # raises unless a plain literal
     assert "settings = kit.notebook_settings(globals())" in cells[0].source
     assert not any("kit.load(" in c.source for c in cells)
+    # no later cell rebinds a parameter, so running the settings cell again reads the same
+    rebound = {node.id for c in cells for node in ast.walk(ast.parse(c.source))
+               if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
+               and node.id in {*PARAMETERS, "preset"}}
+    assert not rebound, rebound
     long = {i: len(c.source.splitlines()) for i, c in enumerate(cells, 2)
             if len(c.source.splitlines()) > MAX_CELL_LINES}
     assert not long, f"code cells (number: lines) over {MAX_CELL_LINES} lines: {long}"
