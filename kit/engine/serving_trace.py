@@ -13,7 +13,8 @@ def decode_batch_sizes(max_num_seqs: int, num_requests: int | None = None, seed:
     fast again as full batches would retire them), wait for a free slot (at most max_num_seqs
     decode together), generate a random number of tokens and leave. It starts with one
     request, fills every slot (arrivals outpace departures), and drains to the last request,
-    so it visits batch 1, the full batch and sizes between. `num_requests` defaults to 3 × max_num_seqs."""
+    so it visits batch 1, the full batch and sizes between. `num_requests` defaults to
+    3 × max_num_seqs."""
     rng = random.Random(seed)
     num_requests = num_requests or 3 * max_num_seqs
     rate = 1.5 * max_num_seqs / ((min_tokens + max_tokens) / 2)  # arrivals per step

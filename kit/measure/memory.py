@@ -8,6 +8,7 @@ of live bytes, each change named by the operation that made it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +39,10 @@ def measure_allocations(fn, device: str, timeline: bool = True) -> Allocations:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    with _profiled(device, enabled=timeline or not cuda) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    profiler = profile(activities=activities, profile_memory=True) \
+        if timeline or not cuda else contextlib.nullcontext()
+    with profiler as prof:
         t0 = time.perf_counter_ns()
         result = fn()
         synchronize(device)
@@ -49,20 +53,6 @@ def measure_allocations(fn, device: str, timeline: bool = True) -> Allocations:
     else:
         peak, left = max([0] + levels), (levels[-1] if levels else 0)
     return Allocations(result, peak, left, seconds, times, levels, ops)
-
-
-class _profiled:
-    """torch.profiler with memory events for `device`, or nothing when not `enabled`."""
-
-    def __init__(self, device: str, enabled: bool):
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        self.prof = profile(activities=activities, profile_memory=True) if enabled else None
-
-    def __enter__(self):
-        return self.prof.__enter__() if self.prof is not None else None
-
-    def __exit__(self, *exc):
-        return self.prof.__exit__(*exc) if self.prof is not None else False
 
 
 def live_bytes(prof, device: str):
