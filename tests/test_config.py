@@ -87,5 +87,5 @@ def test_sizes_parse():
 def test_overrides_and_none_keep_the_preset():
     s = load("cpu-small", max_num_batched_tokens=None, dtype="fp32")
     assert s.max_num_batched_tokens == 2048 and s.dtype == "float32" and s.dtype_bytes == 4
-    assert s.device_memory == 2 * 2**30
+    assert s.device_memory == 96 * 2**20
     assert set(PARAMETERS) >= {"model", "device", "max_num_batched_tokens", "gpu_memory_utilization"}

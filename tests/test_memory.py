@@ -38,8 +38,8 @@ def test_peak_covers_weights_input_and_real_activations(profiles):
 
 def test_kv_budget_arithmetic_and_capacity_override(profiles):
     for p in profiles.values():
-        assert p.capacity_bytes == 2 * GiB  # the preset's device_memory, not physical memory
-        assert p.budget_bytes == int(2 * GiB * 0.9)
+        assert p.capacity_bytes == 96 * 2**20  # the preset's device_memory, not physical memory
+        assert p.budget_bytes == int(96 * 2**20 * 0.9)
         assert p.kv_cache_bytes == p.budget_bytes - p.weights_bytes - p.peak_activation_bytes
         assert p.non_torch_bytes is None  # not measured on the CPU
 

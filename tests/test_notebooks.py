@@ -32,6 +32,19 @@ def test_chapter_01_records_the_numbers_it_shows(cpu_small_run):
     for strategy in ("eager", "compiled"):
         assert results[strategy]["peak_activation_bytes"] > 0
     assert len(json.loads((folder / "01_memory_profiling.json").read_text())["figures"]) >= 3
+    # the seed's lesson on the default preset: its device is as tight as the seed's GPU
+    assert results["kv_ratio_compiled_over_eager"] >= 1.2
+    assert results["kv_ratio_compiled_over_eager"] == pytest.approx(
+        1 + results["eager_extra_over_eager_kv"])
+
+
+def test_chapter_00_records_the_isa_and_a_matmul_per_dtype(cpu_small_run):
+    _, _, folder = cpu_small_run
+    results = json.loads((folder / "00_setup_check.json").read_text())["results"]
+    assert set(results["matmul"]) == {"float32", "bfloat16", "float16"}
+    assert all(m["rate"] > 0 and m["repeats"] >= 3 for m in results["matmul"].values())
+    assert results["cpu_isa"]["pytorch_kernels"] and results["copy"]["rate"] > 0
+    assert set(results["dtype_speeds"]) == {"bfloat16", "float16"}
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)

@@ -59,9 +59,42 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# What the CPU advertises, as PyTorch's cpuinfo reads it (`torch.cpu._is_*_supported`).
+ISA_FLAGS = ("avx2", "avx512", "avx512_bf16", "vnni", "amx_tile", "amx_fp16")
+# oneDNN's cap on the ISA it uses (unset: everything the CPU has); `ATEN_CPU_CAPABILITY` caps
+# PyTorch's own kernels and shows in `get_cpu_capability()`.
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def arm_features() -> set[str]:
+    """The `Features` of an ARM CPU (bf16, sve, i8mm, ...), from /proc/cpuinfo."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.lower().startswith("features"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_isa() -> dict:
+    """The CPU's vector ISA as PyTorch and oneDNN see it: the kernels PyTorch picked
+    (`get_cpu_capability()`, e.g. AVX2, AVX512, ZVECTOR, NO AVX), the flags the CPU
+    advertises, and any cap put on oneDNN. Whether 16-bit matmuls are fast is measured apart
+    (`kit.measure.throughput`): flags say what exists, not what the kernels use."""
+    flags = {name: bool(getattr(torch.cpu, f"_is_{name}_supported", lambda: False)())
+             for name in ISA_FLAGS}
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        features = arm_features()
+        flags.update(arm_bf16="bf16" in features, sve="sve" in features)
+    onednn = next((os.environ[k] for k in ONEDNN_ISA_ENV if os.environ.get(k)), None)
+    return {"arch": platform.machine(), "pytorch_kernels": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_isa": onednn, **flags}
+
+
 def describe(device: str) -> dict:
     """The machine in a few fields, recorded with every run."""
-    info = {"device": device, "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
+    info = {"device": device, "cpu": cpu_name(), "cpu_isa": cpu_isa(), "cpu_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "physical_memory_bytes": physical_memory_bytes(), "gpu": None,
             "gpu_memory_bytes": None}

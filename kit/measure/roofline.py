@@ -14,8 +14,8 @@ A decode step feeds one new token per sequence. However it is implemented, it mu
 
 and it computes 2 FLOPs per weight per token for the matrix products plus 4 × heads × head_dim
 per layer per attended token (scores and the weighted sum of values). The arithmetic here is
-pure Python (the shapes come from `kit.config.ModelConfig`); only the two measurements import
-torch.
+pure Python (the shapes come from `kit.config.ModelConfig`); the two measurements are
+`kit.measure.throughput`'s probes, bounded in time.
 """
 from __future__ import annotations
 
@@ -23,11 +23,6 @@ import statistics
 from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig
-
-# Bytes of each of a copy's source and destination: well past any CPU's last-level cache, and
-# a GPU's L2.
-COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
-MATMUL_SIZE = {"cpu": 2048, "cuda": 8192}
 
 
 @dataclass(frozen=True)
@@ -120,38 +115,11 @@ class DeviceLimits:
                 "bandwidth_max": max(self.bandwidth_samples)}
 
 
-def measure_bandwidth(device: str, nbytes: int | None = None, repeats: int = 10):
-    """Median time of a device-to-device copy of `nbytes` (a large memcpy on the CPU), and the
-    bandwidth it implies: 2 × nbytes (read and written) / time."""
-    import torch
-
-    from kit.measure.timing import time_fn
-    nbytes = nbytes or COPY_BYTES.get(device, COPY_BYTES["cpu"])
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)  # first touched by the warm-up copies, outside the timing
-    timings = time_fn(lambda: dst.copy_(src), device, repeats=repeats, warmup=2)
-    del src, dst
-    return nbytes, timings.median, 2 * nbytes / timings.median
-
-
-def measure_matmul(device: str, dtype: str, size: int | None = None, repeats: int = 5) -> float:
-    """FLOP/s of a square matmul in `dtype`: the compute roof a step could at best reach."""
-    import torch
-
-    from kit.measure.device import torch_dtype
-    from kit.measure.timing import time_fn
-    size = size or MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
-    a = torch.randn(size, size, device=device).to(torch_dtype(dtype))
-    b = torch.randn(size, size, device=device).to(torch_dtype(dtype))
-    timings = time_fn(lambda: a @ b, device, repeats=repeats, warmup=1)
-    return 2 * size**3 / timings.median
-
-
 def measure_limits(device: str, dtype: str) -> DeviceLimits:
-    """Both measurements, taken in the same process as the decode timings they judge."""
-    nbytes, seconds, bandwidth = measure_bandwidth(device)
-    size = MATMUL_SIZE.get(device, MATMUL_SIZE["cpu"])
-    return DeviceLimits(device=device, copy_bytes=nbytes, copy_seconds=seconds,
-                        bandwidth=bandwidth, matmul_size=size, matmul_dtype=dtype,
-                        matmul_flops_per_second=measure_matmul(device, dtype, size),
-                        bandwidth_samples=(bandwidth,))
+    """Both measurements (each bounded to about a second: `kit.measure.throughput`), taken in
+    the same process as the decode timings they judge."""
+    from kit.measure.throughput import copy_bandwidth, matmul_throughput
+    copy, matmul = copy_bandwidth(device), matmul_throughput(device, dtype)
+    return DeviceLimits(device=device, copy_bytes=copy.size, copy_seconds=copy.timings.median,
+                        bandwidth=copy.rate, matmul_size=matmul.size, matmul_dtype=dtype,
+                        matmul_flops_per_second=matmul.rate, bandwidth_samples=(copy.rate,))

@@ -54,6 +54,17 @@ def memory_timeline(profiles: dict) -> go.Figure:
     return fig
 
 
+def matmul_throughput(matmuls: dict) -> go.Figure:
+    """Matmul GFLOP/s per dtype (a log axis: an emulated dtype is tens of times slower)."""
+    names = list(matmuls)
+    rates = [matmuls[k].rate / 1e9 for k in names]
+    fig = go.Figure(go.Bar(x=names, y=rates, text=[f"{r:,.1f}" for r in rates],
+                           textposition="outside", marker_color="#4c72b0"))
+    fig.update_layout(title="Matmul throughput per dtype, measured here",
+                      yaxis={"title": "GFLOP/s", "type": "log"})
+    return fig
+
+
 def measured_vs_published(rows: list[tuple[str, float, float]], title: str) -> go.Figure:
     """Grouped bars of (label, measured, published) ratios."""
     fig = go.Figure()

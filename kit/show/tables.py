@@ -77,16 +77,41 @@ class Verdict:
                 f'{"<ul style=color:#1d2329>" + items + "</ul>" if items else ""}</div>')
 
 
+def machine_table(machine: dict, versions: dict) -> Table:
+    """The machine and the software, one row per field (the ISA has its own table)."""
+    fields = {k: v for k, v in {**machine, **versions}.items() if k != "cpu_isa"}
+    return Table([{"what": k, "value": v} for k, v in fields.items()])
+
+
+def isa_table(isa: dict) -> Table:
+    """The CPU's vector ISA (`kit.measure.device.cpu_isa`): what PyTorch's kernels use, what
+    the CPU advertises, any cap on oneDNN."""
+    def shown(v):
+        return "yes" if v is True else "no" if v is False else "not capped" if v is None else v
+    return Table([{"": k, "value": shown(v)} for k, v in isa.items()])
+
+
 def probes_table(p) -> Table:
     """Chapter 00's probes (`kit.studies.setup_check.Probes`)."""
-    return Table([
-        {"probe": "memory measurement",
-         "result": p.seen_error or f"{fmt_bytes(p.seen_bytes)} seen of {fmt_bytes(p.probe_bytes)}"},
-        {"probe": "torch.compile",
-         "result": p.compile_error or f"compiled and matched eager in {p.compile_seconds:.1f} s"},
-        {"probe": f"{p.matmul_size}×{p.matmul_size} fp32 matmul",
-         "result": f"{p.matmul.median * 1e3:.3f} ms median (p10–p90 spread "
-                   f"{p.matmul.spread * 1e3:.3f} ms), {p.matmul_gflops:,.1f} GFLOP/s"}])
+    rows = [{"probe": "memory measurement",
+             "result": p.seen_error or f"{fmt_bytes(p.seen_bytes)} seen of "
+                                       f"{fmt_bytes(p.probe_bytes)}"},
+            {"probe": "torch.compile",
+             "result": p.compile_error or f"compiled and matched eager in "
+                                          f"{p.compile_seconds:.1f} s"}]
+    return Table(rows + [throughput_row(t) for t in (p.copy, *p.matmuls.values())])
+
+
+def throughput_row(t) -> dict:
+    """One bounded probe (`kit.measure.throughput.Throughput`): its size, median, spread, rate."""
+    if t.what == "copy":
+        probe, rate = f"copy of {fmt_bytes(t.size)}", f"{t.rate / 1e9:,.1f} GB/s"
+    else:
+        probe, rate = f"{t.size}×{t.size} {t.dtype} matmul", f"{t.rate / 1e9:,.1f} GFLOP/s"
+    return {"probe": probe,
+            "result": f"{rate}: {t.timings.median * 1e3:,.2f} ms median of "
+                      f"{len(t.timings.seconds)} (p10–p90 {t.timings.spread * 1e3:,.2f} ms), "
+                      f"{t.seconds:.1f} s in all"}
 
 
 # --- chapter 01 -------------------------------------------------------------------------------
@@ -108,9 +133,18 @@ def memory_seed_table(v) -> Table:
     return Table([{"quantity": "KV cache, compiled profile ÷ eager profile",
                    "measured here": f"{v.kv_ratio:.4f}",
                    "seed (Gemma-2B, GPU)": f"{v.seed_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
+                  {"quantity": "the eager profile's extra activations ÷ the KV cache it leaves",
+                   "measured here": f"{fmt_bytes(v.extra_bytes)} ÷ "
+                                    f"{fmt_bytes(v.eager_kv_bytes)} = {v.extra_over_eager_kv:.3f}",
+                   "seed (Gemma-2B, GPU)": f"{compiled - eager} ÷ {eager} blocks = "
+                                           f"{v.seed_extra_over_eager_kv:.3f}"},
                   {"quantity": "peak activations, compiled ÷ eager",
                    "measured here": f"{v.activation_ratio:.3f}",
-                   "seed (Gemma-2B, GPU)": "not published"}])
+                   "seed (Gemma-2B, GPU)": "not published"},
+                  {"quantity": "weights ÷ the device's capacity",
+                   "measured here": f"{v.weights_share:.1%}",
+                   "seed (Gemma-2B, GPU)": f"{v.seed_weights_share:.1%} (bf16 weights on the "
+                                           "16 GiB GPU its numbers fit)"}])
 
 
 # --- chapter 02 -------------------------------------------------------------------------------
@@ -145,12 +179,14 @@ def seed_blocks_table(a, model_name: str, device: str) -> Table:
                           f"{fmt_bytes(a.seed_bytes('eager'))}",
          "eager charged extra": f"{fmt_bytes(a.seed_extra_bytes)} "
                                 f"({1 - a.seed_bytes('eager') / a.seed_bytes('compiled'):.1%} "
-                                "of the cache)"},
+                                "of the cache)",
+         "compiled ÷ eager": f"{a.seed_blocks['compiled'] / a.seed_blocks['eager']:.3f}"},
         {"": f"here, {model_name} ({device})", "compiled profile": f"{here['compiled']:,} blocks",
          "eager profile": f"{here['eager']:,} blocks",
          "eager charged extra": f"{fmt_bytes(a.here_extra_bytes)} "
                                 f"({1 - here['eager'] / max(1, here['compiled']):.1%} "
-                                "of the cache)"}])
+                                "of the cache)",
+         "compiled ÷ eager": f"{here['compiled'] / max(1, here['eager']):.3f}"}])
 
 
 # --- chapter 03 -------------------------------------------------------------------------------

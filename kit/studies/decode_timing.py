@@ -25,14 +25,16 @@ from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, describe, synchronize, versions
-from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, measure_bandwidth,
-                                  measure_limits)
+from kit.measure.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
+from kit.measure.throughput import copy_bandwidth, fmt_flops, matmul_throughput
 from kit.measure.step_profile import StepBreakdown, profile_steps
 from kit.measure.timing import Timings
 from kit.studies.memory_profiling import profile_run
+from kit.studies.setup_check import DtypeSpeed
 
 GiB = 2**30
 PROFILED_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
+RESAMPLE_SECONDS = 0.5  # the copy measured again after each round of timed runs
 
 
 @dataclass
@@ -250,6 +252,7 @@ class DecodeReport:
     mixed: Correctness
     timings: dict[str, StrategyTiming]
     costs: list[StepCost]               # per decode step of the timed runs
+    dtype_speed: DtypeSpeed | None      # the run's 16-bit matmuls against float32's, here
     machine: dict = field(default_factory=dict)
     load_average: dict = field(default_factory=dict)
 
@@ -290,6 +293,7 @@ class DecodeReport:
                 "compute_floor_seconds": self.compute_floor_seconds,
                 "mixed_lengths": {"prompt_lens": self.mixed_lens, **self.mixed.summary()},
                 "strategies": {k: t.summary() for k, t in self.timings.items()},
+                "dtype_speed": self.dtype_speed.summary() if self.dtype_speed else None,
                 "best_strategy": self.best().strategy, "machine": self.machine,
                 "load_average": self.load_average}
 
@@ -306,10 +310,12 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
     progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
              f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
     kv_cache = kv_cache_for(settings, fit.blocks_needed)
-    progress("measuring copy bandwidth and matmul throughput ...")
+    progress("measuring copy bandwidth and matmul throughput (about a second each) ...")
     limits = measure_limits(settings.device, settings.dtype)
+    speed = dtype_speed(settings, limits)
     progress(f"  {limits.bandwidth / 1e9:,.1f} GB/s copy, "
-             f"{limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s matmul")
+             f"{fmt_flops(limits.matmul_flops_per_second)} {settings.dtype} matmul"
+             + (f" ({speed.slowdown:,.1f}× slower than float32)" if speed and speed.slow else ""))
     mixed_lens, mixed = check_mixed_lengths(settings, model, kv_cache)
     progress(f"mixed prompt lengths {mixed_lens}: max logit error {mixed.max_error:.1e} "
              f"(tolerance {mixed.tolerance:.0e} for {settings.dtype})")
@@ -318,15 +324,24 @@ def run_decode(settings: Settings, progress=print) -> DecodeReport:
     samples = []  # the copy again after each round of timed runs
     timings = time_strategies(model, batch, prompts, fit.steps, strategies, settings.dtype,
                               settings.num_iters, progress, after_round=lambda: samples.append(
-                                  measure_bandwidth(settings.device)[2]))
+                                  copy_bandwidth(settings.device, RESAMPLE_SECONDS).rate))
     limits = limits.with_samples(samples)
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
                  f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
-    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs,
+    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs, speed,
                         machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()})
+
+
+def dtype_speed(settings: Settings, limits: DeviceLimits) -> DtypeSpeed | None:
+    """The run's matmul throughput against float32's, measured now (bounded; None in float32):
+    says whether the run's dtype is emulated here."""
+    if settings.dtype == "float32":
+        return None
+    f32 = matmul_throughput(settings.device, "float32")
+    return DtypeSpeed(settings.dtype, limits.matmul_flops_per_second, f32.rate)
 
 
 def step_costs(settings: Settings, fit: CacheFit) -> list[StepCost]:

@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kit.measure.device import synchronize
+from kit.measure.device import cpu_isa, synchronize
 from kit.measure.memory import probe_measurement
-from kit.measure.timing import Timings, time_fn
+from kit.measure.throughput import (MATMUL_DTYPES, MIN_REPEATS, Throughput, copy_bandwidth,
+                                     matmul_throughput)
 
 PROBE_BYTES = 64 * 2**20
-MATMUL_SIZE = 512
-MATMUL_REPEATS = 30
+# A 16-bit dtype whose matmuls run this many times slower than float32 is called slow here:
+# natively they run at least as fast (twice as fast with AVX512-BF16, far more with AMX or on a
+# GPU); PyTorch's fallback on a CPU without them converts to float32 inside every product.
+SLOW_FACTOR = 2.0
 
 
 def probe_compile(device: str) -> float:
@@ -35,12 +38,6 @@ def probe_compile(device: str) -> float:
     return seconds
 
 
-def probe_matmul(device: str, size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> Timings:
-    """A `size`² float32 matmul timed with the kit's timer (warm-up apart, `repeats` calls)."""
-    a = torch.randn(size, size, device=device)
-    return time_fn(lambda: a @ a, device, repeats=repeats)
-
-
 def attempt(fn, *args):
     """(fn(*args), None), or (None, "Error: message") when it raises: a probe that fails must
     still let the setup check reach its verdict."""
@@ -52,33 +49,127 @@ def attempt(fn, *args):
 
 @dataclass
 class Probes:
-    """What the three probes measured; an `*_error` is set where a probe failed."""
+    """What the probes measured; an `*_error` is set where a probe failed. The throughput
+    probes (copy, a matmul per dtype) are bounded in time: about a second each."""
 
     probe_bytes: int
     seen_bytes: int | None
     seen_error: str | None
     compile_seconds: float | None
     compile_error: str | None
-    matmul: Timings
-    matmul_size: int
-
-    @property
-    def matmul_gflops(self) -> float:
-        return 2 * self.matmul_size**3 / self.matmul.median / 1e9
+    copy: Throughput
+    matmuls: dict[str, Throughput]
 
     def summary(self) -> dict:
         return {"probe_bytes": self.probe_bytes, "probe_seen_bytes": self.seen_bytes,
                 "probe_compile_seconds": self.compile_seconds,
-                "matmul_median_s": self.matmul.median, "matmul_spread_s": self.matmul.spread,
-                "matmul_gflops": self.matmul_gflops}
+                "copy": self.copy.summary(),
+                "matmul": {k: m.summary() for k, m in self.matmuls.items()}}
 
 
-def run_probes(device: str) -> Probes:
-    """An exact allocation seen by the memory measurement, a compile against eager, a matmul."""
+def run_probes(device: str, progress=print) -> Probes:
+    """An exact allocation seen by the memory measurement, a compile against eager, the copy
+    bandwidth, and a matmul in each dtype."""
     seen, seen_error = attempt(probe_measurement, device, PROBE_BYTES)
     seconds, compile_error = attempt(probe_compile, device)
-    return Probes(PROBE_BYTES, seen, seen_error, seconds, compile_error, probe_matmul(device),
-                  MATMUL_SIZE)
+    copy = copy_bandwidth(device)
+    progress(f"copy: {copy.rate / 1e9:,.1f} GB/s")
+    matmuls = {}
+    for dtype in MATMUL_DTYPES:
+        matmuls[dtype] = matmul_throughput(device, dtype)
+        progress(f"{dtype} matmul: {matmuls[dtype].rate / 1e9:,.1f} GFLOP/s")
+    return Probes(PROBE_BYTES, seen, seen_error, seconds, compile_error, copy, matmuls)
+
+
+@dataclass(frozen=True)
+class DtypeSpeed:
+    """A 16-bit dtype's matmul throughput against float32's, measured side by side."""
+
+    dtype: str
+    flops_per_second: float
+    float32_flops_per_second: float
+
+    @property
+    def slowdown(self) -> float:
+        """float32's FLOP/s ÷ this dtype's: above SLOW_FACTOR, the dtype is slow here."""
+        return self.float32_flops_per_second / self.flops_per_second
+
+    @property
+    def slow(self) -> bool:
+        return self.slowdown > SLOW_FACTOR
+
+    def summary(self) -> dict:
+        return {"dtype": self.dtype, "gflops": self.flops_per_second / 1e9,
+                "float32_gflops": self.float32_flops_per_second / 1e9,
+                "slowdown_vs_float32": self.slowdown, "slow": self.slow}
+
+
+def dtype_speeds(matmuls: dict[str, Throughput]) -> dict[str, DtypeSpeed]:
+    """Each 16-bit dtype's matmul FLOP/s against float32's."""
+    f32 = matmuls["float32"].rate
+    return {k: DtypeSpeed(k, m.rate, f32) for k, m in matmuls.items() if k != "float32"}
+
+
+def native_flag(dtype: str, isa: dict) -> str:
+    """The CPU flag that would make `dtype`'s matmuls native, and whether the CPU has it."""
+    name = {"bfloat16": "avx512_bf16", "float16": "amx_fp16"}[dtype]
+    if "arm_bf16" in isa and dtype == "bfloat16":
+        name = "arm_bf16"
+    return f"{name}: {'yes' if isa.get(name) else 'no'}"
+
+
+def speed_finding(speed: DtypeSpeed, isa: dict | None) -> str:
+    """One sentence on a dtype's measured matmul speed, with the ISA beside it (CPU)."""
+    rate = f"{speed.flops_per_second / 1e9:,.1f} GFLOP/s"
+    if not speed.slow:
+        return (f"{speed.dtype} matmuls run at {rate}, {1 / speed.slowdown:.1f}× float32's: "
+                "native here.")
+    where = "" if isa is None else (
+        f" (PyTorch's kernels: {isa['pytorch_kernels']}; {native_flag(speed.dtype, isa)}"
+        f"{'; oneDNN capped at ' + isa['onednn_max_isa'] if isa.get('onednn_max_isa') else ''})")
+    return (f"{speed.dtype} matmuls run at {rate}, {speed.slowdown:,.0f}× slower than float32: "
+            f"emulated on this machine{where}, each product converted to float32 and back.")
+
+
+def slow_dtype_consequence(dtype: str, speed: DtypeSpeed) -> str:
+    """What a slow `dtype` means for chapters 03–05, and the way out."""
+    return (f"Chapters 03–05 run in {dtype} by default, because vLLM serves a model in its own "
+            f"dtype; here its matmuls are {speed.slowdown:,.0f}× slower than float32's, so "
+            "profiling forwards and decode steps take several times longer than on a CPU with "
+            f"native {dtype}, and the kit's and vLLM's step times both show it. dtype=\"float32\" "
+            "is the way out: fast matmuls here, at twice the bytes for the weights, the "
+            "activations and every KV block (half the blocks from the same budget).")
+
+
+def dtype_note(speed: DtypeSpeed | None, isa: dict | None) -> str:
+    """What chapters 03–05 print about their dtype's matmuls on this machine."""
+    if speed is None:
+        return ("float32: no 16-bit conversion in any matmul, at twice the bytes of a 16-bit dtype "
+                "for the weights, the activations and every KV block.")
+    note = speed_finding(speed, isa)
+    return f"{note} {slow_dtype_consequence(speed.dtype, speed)}" if speed.slow else note
+
+
+def dtype_speed_here(device: str, dtype: str, recorded: dict | None) -> DtypeSpeed | None:
+    """`dtype`'s matmul speed against float32's: chapter 00's measurement when this run folder
+    holds one for the same device (`recorded`), else measured now (a second per dtype)."""
+    if dtype == "float32":
+        return None
+    recorded = recorded or {}
+    same_device = recorded.get("settings", {}).get("device") == device
+    matmul = recorded.get("results", {}).get("matmul") if same_device else None
+    if matmul and dtype in matmul:
+        return DtypeSpeed(dtype, matmul[dtype]["rate"], matmul["float32"]["rate"])
+    rates = {k: matmul_throughput(device, k).rate for k in ("float32", dtype)}
+    return DtypeSpeed(dtype, rates[dtype], rates["float32"])
+
+
+def dtype_note_here(device: str, dtype: str, recorded: dict | None = None,
+                    speed: DtypeSpeed | None = None) -> str:
+    """`dtype_note` for this machine: `speed` if measured already, else chapter 00's record or
+    a measurement now (`dtype_speed_here`)."""
+    speed = speed or dtype_speed_here(device, dtype, recorded)
+    return dtype_note(speed, cpu_isa() if device == "cpu" else None)
 
 
 # What to do when a setup check fails, keyed by the start of the check's name.
