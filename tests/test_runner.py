@@ -70,3 +70,46 @@ def test_parse_params_and_notebook_names():
     assert [p.stem for p in find_notebooks(["01"])] == ["01_memory_profiling"]
     with pytest.raises(ConfigError, match="unknown notebook '99'"):
         find_notebooks(["99"])
+
+
+NOISE = ["USDT", "Kernel is running over TCP", "C-level stdout noise", "C-level stderr noise",
+         "noise from a subprocess"]
+
+
+@pytest.mark.slow
+def test_the_terminal_stays_quiet_and_the_noise_goes_to_the_log(tmp_path, capfd):
+    """Chapter 02 (torch.profiler prints USDT lines at C level) and a notebook that writes to
+    its file descriptors and starts a subprocess that does: none of it on the terminal (stdout
+    is not one here: plain lines), all of it in the log that summary.json and the report name."""
+    code, folder = run("cpu-small", [str(FIXTURES / "noisy.ipynb"), "02"], out=tmp_path)
+    out, err = capfd.readouterr()
+    assert code == 0 and not any(noise in out + err for noise in NOISE)
+    assert "\r" not in out and err == ""
+    assert "[1/2] noisy ...\n[1/2] noisy: ok in " in out and "[2/2] 02_kv_cache: ok in " in out
+    summary = json.loads((folder / "summary.json").read_text())
+    log = (folder / summary["log"]).read_text()
+    assert summary["log"] == "kernel.log" and log.count("Kernel is running over TCP") == 2
+    assert all(noise in log for noise in NOISE[2:])
+    assert "[cell 3] hello from the notebook" in log  # what the notebook printed, by cell
+    assert "02_kv_cache: 10/10 checks passed" in log
+    assert 'href="kernel.log"' in (folder / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_verbose_puts_the_noise_on_the_terminal_as_well(tmp_path, capfd):
+    code, folder = run("cpu-small", [str(FIXTURES / "noisy.ipynb")], out=tmp_path, verbose=True)
+    err = capfd.readouterr().err
+    assert code == 0 and all(noise in err for noise in NOISE[1:])
+    assert all(noise in (folder / "kernel.log").read_text() for noise in NOISE[1:])
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_is_reported_and_the_next_notebook_runs(tmp_path, capsys):
+    notebooks = [str(FIXTURES / "dies.ipynb"), str(FIXTURES / "passing.ipynb")]
+    code, folder = run("cpu-small", notebooks, out=tmp_path, progress=False)
+    dies, passing = json.loads((folder / "summary.json").read_text())["notebooks"]
+    assert code == 1 and not dies["ok"] and dies["error"]["ename"] == "DeadKernelError"
+    assert passing["ok"]
+    assert "[1/2] dies: FAILED in " in capsys.readouterr().out
+    assert "Kernel died" in (folder / "kernel.log").read_text()  # nbclient's error, logged
+
