@@ -113,3 +113,22 @@ def test_a_kernel_that_dies_is_reported_and_the_next_notebook_runs(tmp_path, cap
     assert "[1/2] dies: FAILED in " in capsys.readouterr().out
     assert "Kernel died" in (folder / "kernel.log").read_text()  # nbclient's error, logged
 
+
+@pytest.mark.slow
+def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    code = main(["bench", "suite", "02", "--runs", str(tmp_path), "--out", str(out),
+                 "--no-progress"])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["ok"] and not result["whole_suite"]
+    chapter = result["chapters"]["02_kv_cache"]
+    assert chapter["seconds"] > 0 and chapter["checks_passed"] == 10
+    assert result["total_seconds"] >= chapter["seconds"]
+    assert result["inductor_cache"]["state"] in ("cold", "warm")
+    summary = json.loads((Path(result["run_folder"]) / "summary.json").read_text())
+    assert result["machine"] == summary["machine"]
+    assert result["target"] == {"cold_seconds": 300, "warm_seconds": 150,
+                                "machine": "2-core CPU without native bf16", "within": None}
+    printed = capsys.readouterr().out
+    assert "02_kv_cache" in printed and "\ntotal " in printed and f"wrote {out}" in printed
+    assert "300 s with cold compile caches, 150 s warm" in printed
