@@ -4,6 +4,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import kit
 from kit.errors import ConfigError
 from kit.run.cli import main
 from kit.run.runner import find_notebooks, parse_params, run
@@ -92,6 +93,8 @@ def test_the_terminal_stays_quiet_and_the_noise_goes_to_the_log(tmp_path, capfd)
     assert all(noise in log for noise in NOISE[2:])
     assert "[cell 3] hello from the notebook" in log  # what the notebook printed, by cell
     assert "02_kv_cache: 10/10 checks passed" in log
+    # the kernel imports the kit that runs it, even with another checkout installed in the venv
+    assert f"kit imported from {Path(kit.__file__)}" in log
     assert 'href="kernel.log"' in (folder / "report.html").read_text()
 
 

@@ -3,10 +3,11 @@ and stderr sent to a file descriptor the runner gives (the run's log, kit/run/ru
 each code cell's start and each output reported to a `Watch` (the live line and the log).
 
 The route is the libraries' own: papermill hands the extra keyword arguments of
-`execute_notebook(..., engine_name="kit", kernel_output=FD, watch=W)` to the engine;
-`NotebookClient.execute(**kw)` hands its keyword arguments to `KernelManager.start_kernel`,
-which passes `stdout` and `stderr` on to the kernel's `Popen`; nbclient calls
-`on_cell_execute` before each code cell and `process_message` for each output.
+`execute_notebook(..., engine_name="kit", kernel_output=FD, kernel_env=ENV, watch=W)` to the
+engine; `NotebookClient.execute(**kw)` hands its keyword arguments to
+`KernelManager.start_kernel`, which passes `stdout`, `stderr` and `env` on to the kernel's
+`Popen`; nbclient calls `on_cell_execute` before each code cell and `process_message` for each
+output.
 """
 from __future__ import annotations
 
@@ -74,12 +75,15 @@ class WatchedClient(PapermillNotebookClient):
 class KitEngine(Engine):
     @classmethod
     def execute_managed_notebook(cls, nb_man, kernel_name, start_timeout=60,
-                                 execution_timeout=None, kernel_output=None, watch=None, **_):
+                                 execution_timeout=None, kernel_output=None, kernel_env=None,
+                                 watch=None, **_):
         """Run the notebook; the kernel's stdout and stderr go to `kernel_output` (a file
-        descriptor or file; None: this process's)."""
+        descriptor or file; None: this process's), its environment is `kernel_env` (None:
+        this process's)."""
         client = WatchedClient(nb_man, kernel_name=kernel_name, startup_timeout=start_timeout,
                                timeout=execution_timeout, log=logger, watch=watch)
-        return client.execute(stdout=kernel_output, stderr=kernel_output)
+        env = {"env": kernel_env} if kernel_env is not None else {}
+        return client.execute(stdout=kernel_output, stderr=kernel_output, **env)
 
 
 papermill_engines.register(ENGINE_NAME, KitEngine)

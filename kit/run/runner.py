@@ -91,6 +91,13 @@ def new_run_dir(root: Path, preset: str) -> Path:
     raise RuntimeError(f"could not create a new run folder under {root}")
 
 
+def kernel_env() -> dict:
+    """The kernels' environment: this process's, with this kit's folder first on PYTHONPATH, so
+    a kernel imports the kit that runs it, not another checkout installed in the same venv."""
+    paths = [str(DATA.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progress) -> dict:
     """Run one notebook (its kernel's output to `log`, its cells and printed lines to
     `progress`); return its status (and failing cell) plus its recorded results."""
@@ -105,7 +112,7 @@ def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progre
             papermill.execute_notebook(str(nb), str(out), parameters=parameters, cwd=str(run),
                                        kernel_name="python3", progress_bar=False,
                                        engine_name=ENGINE_NAME, kernel_output=kernel_output,
-                                       watch=Watch(progress, log))
+                                       kernel_env=kernel_env(), watch=Watch(progress, log))
     except papermill.PapermillExecutionError as e:
         status.update(ok=False, error={"cell_index": e.cell_index,
                                        "execution_count": e.exec_count,
