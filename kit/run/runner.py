@@ -171,7 +171,11 @@ def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summar
             progress = Progress(i, len(notebooks), nb.stem, animate)
             log.section(f"[{i}/{len(notebooks)}] {nb.stem}")
             progress.start()
-            status = execute(nb, run_path, nb_params[nb], log, progress)
+            try:
+                status = execute(nb, run_path, nb_params[nb], log, progress)
+            except BaseException:  # Ctrl-C: stop the live line before the traceback
+                progress.finish(f"[{i}/{len(notebooks)}] {nb.stem}: interrupted")
+                raise
             progress.finish(result_line(i, len(notebooks), status))
             summary["notebooks"].append(status)
             summary["seconds"] = round(time.perf_counter() - t0, 2)
