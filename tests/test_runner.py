@@ -4,6 +4,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import kit
 from kit.errors import ConfigError
 from kit.run.cli import main
 from kit.run.runner import find_notebooks, parse_params, run
@@ -70,3 +71,67 @@ def test_parse_params_and_notebook_names():
     assert [p.stem for p in find_notebooks(["01"])] == ["01_memory_profiling"]
     with pytest.raises(ConfigError, match="unknown notebook '99'"):
         find_notebooks(["99"])
+
+
+NOISE = ["USDT", "Kernel is running over TCP", "C-level stdout noise", "C-level stderr noise",
+         "noise from a subprocess"]
+
+
+@pytest.mark.slow
+def test_the_terminal_stays_quiet_and_the_noise_goes_to_the_log(tmp_path, capfd):
+    """Chapter 02 (torch.profiler prints USDT lines at C level) and a notebook that writes to
+    its file descriptors and starts a subprocess that does: none of it on the terminal (stdout
+    is not one here: plain lines), all of it in the log that summary.json and the report name."""
+    code, folder = run("cpu-small", [str(FIXTURES / "noisy.ipynb"), "02"], out=tmp_path)
+    out, err = capfd.readouterr()
+    assert code == 0 and not any(noise in out + err for noise in NOISE)
+    assert "\r" not in out and err == ""
+    assert "[1/2] noisy ...\n[1/2] noisy: ok in " in out and "[2/2] 02_kv_cache: ok in " in out
+    summary = json.loads((folder / "summary.json").read_text())
+    log = (folder / summary["log"]).read_text()
+    assert summary["log"] == "kernel.log" and log.count("Kernel is running over TCP") == 2
+    assert all(noise in log for noise in NOISE[2:])
+    assert "[cell 3] hello from the notebook" in log  # what the notebook printed, by cell
+    assert "02_kv_cache: 10/10 checks passed" in log
+    # the kernel imports the kit that runs it, even with another checkout installed in the venv
+    assert f"kit imported from {Path(kit.__file__)}" in log
+    assert 'href="kernel.log"' in (folder / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_verbose_puts_the_noise_on_the_terminal_as_well(tmp_path, capfd):
+    code, folder = run("cpu-small", [str(FIXTURES / "noisy.ipynb")], out=tmp_path, verbose=True)
+    err = capfd.readouterr().err
+    assert code == 0 and all(noise in err for noise in NOISE[1:])
+    assert all(noise in (folder / "kernel.log").read_text() for noise in NOISE[1:])
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_is_reported_and_the_next_notebook_runs(tmp_path, capsys):
+    notebooks = [str(FIXTURES / "dies.ipynb"), str(FIXTURES / "passing.ipynb")]
+    code, folder = run("cpu-small", notebooks, out=tmp_path, progress=False)
+    dies, passing = json.loads((folder / "summary.json").read_text())["notebooks"]
+    assert code == 1 and not dies["ok"] and dies["error"]["ename"] == "DeadKernelError"
+    assert passing["ok"]
+    assert "[1/2] dies: FAILED in " in capsys.readouterr().out
+    assert "Kernel died" in (folder / "kernel.log").read_text()  # nbclient's error, logged
+
+
+@pytest.mark.slow
+def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    code = main(["bench", "suite", "02", "--runs", str(tmp_path), "--out", str(out),
+                 "--no-progress"])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["ok"] and not result["whole_suite"]
+    chapter = result["chapters"]["02_kv_cache"]
+    assert chapter["seconds"] > 0 and chapter["checks_passed"] == 10
+    assert result["total_seconds"] >= chapter["seconds"]
+    assert result["inductor_cache"]["state"] in ("cold", "warm")
+    summary = json.loads((Path(result["run_folder"]) / "summary.json").read_text())
+    assert result["machine"] == summary["machine"]
+    assert result["target"] == {"cold_seconds": 300, "warm_seconds": 150,
+                                "machine": "2-core CPU without native bf16", "within": None}
+    printed = capsys.readouterr().out
+    assert "02_kv_cache" in printed and "\ntotal " in printed and f"wrote {out}" in printed
+    assert "300 s with cold compile caches, 150 s warm" in printed

@@ -1,7 +1,8 @@
-"""The benchmarks, `python -m kit bench compile|decode`: chapter 03's and chapter 04's
-measurements without a notebook, printed and written as JSON. Speed targets live here, reported,
-never asserted in tests. The studies are imported when a benchmark runs, so the other commands
-start without torch.
+"""The benchmarks, `python -m kit bench compile|decode|suite`: chapter 03's and chapter 04's
+measurements without a notebook, printed and written as JSON, and the whole suite timed through
+the runner (kit/run/suite.py). Speed targets live here and in suite.py, reported, never asserted
+in tests. The studies are imported when a benchmark runs, so the other commands start without
+torch.
 """
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 
 from kit.config import DATA, DEFAULT_PRESET, load
 from kit.run.runner import parse_params
+from kit.run.suite import add_suite_cli
 
 
 def add_cli(sub) -> None:
-    """`python -m kit bench compile` and `python -m kit bench decode`."""
+    """`python -m kit bench compile`, `... decode` and `... suite`."""
     bench = sub.add_parser("bench", help="benchmarks that print their table (and write JSON)")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)
     p = benchmarks.add_parser("compile", help="chapter 03's plans (compile strategies), as JSON")
@@ -34,6 +36,7 @@ def add_cli(sub) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file to write (default: runs/bench/decode-<time>-<preset>.json)")
     p.set_defaults(func=bench_decode)
+    add_suite_cli(benchmarks, _common)
 
 
 def _common(p) -> None:

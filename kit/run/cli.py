@@ -1,5 +1,5 @@
 """`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (the runner),
-`report` and `compare` (the report), `bench compile|decode` (the benchmarks). Nothing here
+`report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks). Nothing here
 imports torch: the commands that measure import what they need when they run."""
 from __future__ import annotations
 

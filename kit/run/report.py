@@ -3,9 +3,10 @@
     python -m kit report RUN_FOLDER          # writes RUN_FOLDER/report.html
     python -m kit compare RUN_A RUN_B        # writes compare-A-vs-B.html beside RUN_A
 
-The report holds the run's parameters, machine and versions (from `summary.json`), every
-notebook's results and checks (failed notebooks first, with the failing cell), every chapter's
-figures (`figures/*.json`), and links to the executed notebooks rendered as HTML. It works
+The report holds the run's parameters, machine and versions (from `summary.json`), a link to
+its log (`kernel.log`: the kernels' output and the libraries' logs), every notebook's results
+and checks (failed notebooks first, with the failing cell), every chapter's figures
+(`figures/*.json`), and links to the executed notebooks rendered as HTML. It works
 offline: plotly.js is copied in once from the installed plotly package, nothing is fetched.
 The runner writes the report at the end of every run.
 """
@@ -293,6 +294,15 @@ def notebook_section(folder: Path, nb: dict, link: str | None, figs: Figures) ->
     return "".join(parts) + "</section>"
 
 
+def log_link(run: dict) -> str:
+    """A link to the run's log (the kernels' output, the libraries' logs), when it has one."""
+    log = run.get("log")
+    if not log or not (run["folder"] / log).is_file():
+        return ""
+    return (f'kernels\' output and logs: <a href="{esc(log)}" id="run-log"><code>{esc(log)}'
+            "</code></a> · ")
+
+
 def render_report(folder, links: dict | None = None) -> str:
     """The report page of one run folder, as HTML text."""
     run = load_run(folder)
@@ -306,7 +316,8 @@ def render_report(folder, links: dict | None = None) -> str:
     body = [f"<h1>Run {esc(folder.name)}</h1>",
             f'<p class="sub">preset <code>{esc(run.get("preset"))}</code> · device '
             f'<code>{esc(run.get("machine", {}).get("device"))}</code> · '
-            f'{run.get("seconds", 0):.0f} s in all · written by <code>python -m kit report</code></p>',
+            f'{run.get("seconds", 0):.0f} s in all · {log_link(run)}'
+            'written by <code>python -m kit report</code></p>',
             status_banner(notebooks), f"<nav>{nav}</nav>",
             "<h2>Parameters</h2>",
             f"<p>Overrides of the preset: {esc(params) if params else 'none'}.</p>",

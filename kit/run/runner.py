@@ -1,12 +1,14 @@
 """Run the chapters headless with papermill, collect their results, and say what failed.
 
     python -m kit run [--preset NAME] [NOTEBOOK ...] [-p NAME=VALUE ...] [--out DIR]
+                      [--no-progress] [--verbose]
 
 Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
 each chapter's recorded results and checks (JSON), its figures, `summary.json` with the
-parameters, device and versions, and `report.html` (kit/run/report.py). A failing notebook does not
-stop the others; the summary names its failing cell. The exit status is non-zero when any
-notebook or check failed.
+parameters, device and versions, `kernel.log` (the kernels' output and the libraries' logs,
+kit/run/runlog.py) and `report.html` (kit/run/report.py). On a terminal each notebook has one
+live line (kit/run/progress.py). A failing notebook does not stop the others; the summary names
+its failing cell. The exit status is non-zero when any notebook or check failed.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import ast
 import datetime as dt
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
+from kit.run.progress import Progress
 from kit.run.results import RUN_DIR_ENV
+from kit.run.runlog import LOG_NAME, RunLog
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
@@ -86,15 +91,28 @@ def new_run_dir(root: Path, preset: str) -> Path:
     raise RuntimeError(f"could not create a new run folder under {root}")
 
 
-def execute(nb: Path, run: Path, parameters: dict, progress: bool) -> dict:
-    """Run one notebook; return its status (and failing cell) plus its recorded results."""
+def kernel_env() -> dict:
+    """The kernels' environment: this process's, with this kit's folder first on PYTHONPATH, so
+    a kernel imports the kit that runs it, not another checkout installed in the same venv."""
+    paths = [str(DATA.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progress) -> dict:
+    """Run one notebook (its kernel's output to `log`, its cells and printed lines to
+    `progress`); return its status (and failing cell) plus its recorded results."""
     import papermill
+
+    from kit.run.engine import ENGINE_NAME, Watch
     out = run / nb.name
     t0 = time.perf_counter()
     status = {"notebook": nb.stem, "executed": str(out), "ok": True, "error": None}
     try:
-        papermill.execute_notebook(str(nb), str(out), parameters=parameters, cwd=str(run),
-                                   kernel_name="python3", progress_bar=progress)
+        with log.kernel_output() as kernel_output:
+            papermill.execute_notebook(str(nb), str(out), parameters=parameters, cwd=str(run),
+                                       kernel_name="python3", progress_bar=False,
+                                       engine_name=ENGINE_NAME, kernel_output=kernel_output,
+                                       kernel_env=kernel_env(), watch=Watch(progress, log))
     except papermill.PapermillExecutionError as e:
         status.update(ok=False, error={"cell_index": e.cell_index,
                                        "execution_count": e.exec_count,
@@ -125,6 +143,14 @@ def describe_failure(s: dict) -> str:
     return what.splitlines()[0] if what else "failed"
 
 
+def result_line(index: int, total: int, s: dict) -> str:
+    """A notebook's line once it ended: ok or FAILED, seconds, checks, what failed."""
+    checks = s["checks_passed"] + len(s["checks_failed"])
+    return (f"[{index}/{total}] {s['notebook']}: {'ok' if s['ok'] else 'FAILED'} in "
+            f"{s['seconds']:.1f} s, {s['checks_passed']}/{checks} checks "
+            f"{describe_failure(s)}").rstrip()
+
+
 def print_summary(statuses: list[dict], run: Path) -> None:
     print(f"\n{'notebook':<28} {'status':<6} {'checks':>7} {'seconds':>8}  detail")
     for s in statuses:
@@ -132,11 +158,35 @@ def print_summary(statuses: list[dict], run: Path) -> None:
         print(f"{s['notebook']:<28} {'ok' if s['ok'] else 'FAIL':<6} "
               f"{s['checks_passed']:>3}/{n:<3} {s['seconds']:>8.1f}  {describe_failure(s)}")
     print(f"\nrun folder: {run}")
+    print(f"kernel output and logs: {run / LOG_NAME}")
+
+
+def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summary: dict,
+                  animate: bool, verbose: bool) -> None:
+    """Run each notebook in turn, its line on the terminal, the noise in the run's log;
+    summary.json is rewritten after each notebook, so results survive a later failure."""
+    t0 = time.perf_counter()
+    with RunLog(run_path / LOG_NAME, echo=verbose) as log:
+        for i, nb in enumerate(notebooks, 1):
+            progress = Progress(i, len(notebooks), nb.stem, animate)
+            log.section(f"[{i}/{len(notebooks)}] {nb.stem}")
+            progress.start()
+            try:
+                status = execute(nb, run_path, nb_params[nb], log, progress)
+            except BaseException:  # Ctrl-C: stop the live line before the traceback
+                progress.finish(f"[{i}/{len(notebooks)}] {nb.stem}: interrupted")
+                raise
+            progress.finish(result_line(i, len(notebooks), status))
+            summary["notebooks"].append(status)
+            summary["seconds"] = round(time.perf_counter() - t0, 2)
+            (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
 def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None = None,
-        out: Path | None = None, progress: bool = True) -> tuple[int, Path | None]:
-    """Run the notebooks; returns (exit status, run folder)."""
+        out: Path | None = None, progress: bool = True,
+        verbose: bool = False) -> tuple[int, Path | None]:
+    """Run the notebooks; returns (exit status, run folder). `progress`: a live line per
+    notebook when stdout is a terminal; `verbose`: the kernels' output on the terminal too."""
     params = dict(params or {})
     notebooks = find_notebooks(list(names))
     declared = validate(preset, notebooks, params)
@@ -145,17 +195,12 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     os.environ[RUN_DIR_ENV] = str(run_path)
     from kit.measure.device import describe, versions
     summary = {"preset": preset, "parameters": params, "settings": settings.as_dict(),
-               "machine": describe(settings.device), "versions": versions(), "notebooks": []}
-    t0 = time.perf_counter()
-    for i, nb in enumerate(notebooks, 1):
-        print(f"[{i}/{len(notebooks)}] {nb.stem} ...", flush=True)
-        nb_params = {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
-        status = execute(nb, run_path, nb_params, progress)
-        print(f"[{i}/{len(notebooks)}] {nb.stem}: {'ok' if status['ok'] else 'FAILED'} "
-              f"in {status['seconds']:.1f} s {describe_failure(status)}", flush=True)
-        summary["notebooks"].append(status)
-        summary["seconds"] = round(time.perf_counter() - t0, 2)
-        (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+               "machine": describe(settings.device), "versions": versions(), "log": LOG_NAME,
+               "notebooks": []}
+    nb_params = {nb: {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
+                 for nb in notebooks}
+    animate = progress and not verbose and sys.stdout.isatty()
+    run_notebooks(notebooks, run_path, nb_params, summary, animate, verbose)
     print_summary(summary["notebooks"], run_path)
     from kit.run.report import write_report_safely
     write_report_safely(run_path)  # never changes the exit status
@@ -170,9 +215,13 @@ def add_cli(sub) -> None:
                    help=f"one of {known_names(PRESETS_DIR)} (default {DEFAULT_PRESET})")
     p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--out", type=Path, help="where run folders go (default ./runs)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="plain lines only, never a live line rewritten in place")
+    p.add_argument("--verbose", action="store_true",
+                   help="the kernels' output and logs on the terminal too (always in "
+                   f"<run>/{LOG_NAME})")
     p.set_defaults(func=lambda a: run(a.preset, a.notebooks, parse_params(a.param), a.out,
-                                      not a.no_progress)[0])
+                                      not a.no_progress, a.verbose)[0])
     p = sub.add_parser("presets", help="list the presets and what they set")
     p.set_defaults(func=lambda a: print_presets())
 
