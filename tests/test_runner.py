@@ -135,3 +135,27 @@ def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "02_kv_cache" in printed and "\ntotal " in printed and f"wrote {out}" in printed
     assert "300 s with cold compile caches, 150 s warm" in printed
+
+
+def test_the_machine_section_gathers_what_chapters_measured():
+    from kit.run.runner import add_measured_hardware, measured_hardware
+    ch00 = {"results": {"copy": {"rate": 30e9},
+                        "matmul": {"float32": {"rate": 70e9}, "bfloat16": {"rate": 1e9}},
+                        "dtype_speeds": {"bfloat16": {"slowdown_vs_float32": 70.0}}}}
+    ch04 = {"results": {"limits": {"bandwidth": 20e9, "matmul_dtype": "bfloat16",
+                                   "matmul_flops_per_second": 2e9},
+                        "dtype_speed": {"dtype": "bfloat16", "slowdown_vs_float32": 35.0}}}
+    assert measured_hardware(ch00) == {"copy_GB_per_s": 30.0,
+                                       "matmul_GFLOP_per_s.float32": 70.0,
+                                       "matmul_GFLOP_per_s.bfloat16": 1.0,
+                                       "slowdown_vs_float32.bfloat16": 70.0}
+    machine = {"device": "cpu"}
+    add_measured_hardware(machine, "02_kv_cache", {"results": {"num_blocks": 3}})
+    assert "measured" not in machine  # a chapter that measured no hardware adds nothing
+    add_measured_hardware(machine, "00_setup_check", ch00)
+    add_measured_hardware(machine, "04_decode_timing", ch04)
+    assert machine["measured"]["measured_by"] == "00_setup_check"
+    assert machine["measured"]["slowdown_vs_float32.bfloat16"] == 70.0  # the first one kept
+    machine = {}
+    add_measured_hardware(machine, "04_decode_timing", ch04)  # a run without chapter 00
+    assert machine["measured"]["matmul_GFLOP_per_s.bfloat16"] == 2.0

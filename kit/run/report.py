@@ -323,7 +323,7 @@ def render_report(folder, links: dict | None = None) -> str:
             f"<p>Overrides of the preset: {esc(params) if params else 'none'}.</p>",
             key_values(run.get("settings", {})),
             "<h2>Machine and versions</h2>", '<div class="pair"><div>',
-            key_values(run.get("machine", {})), "</div><div>",
+            key_values(flatten(run.get("machine", {}))), "</div><div>",
             key_values(run.get("versions", {})), "</div></div>"]
     body += [notebook_section(folder, nb, links.get(nb["notebook"]), figs) for nb in notebooks]
     return page(f"Run {folder.name}", "".join(body), figs.count > 0)
@@ -403,7 +403,7 @@ def render_compare(folder_a, folder_b) -> str:
             side_by_side("Parameters", {"preset": a.get("preset"), **(a.get("parameters") or {})},
                          {"preset": b.get("preset"), **(b.get("parameters") or {})}),
             side_by_side("Settings", a.get("settings", {}), b.get("settings", {})),
-            side_by_side("Machine", a.get("machine", {}), b.get("machine", {})),
+            side_by_side("Machine", flatten(a.get("machine", {})), flatten(b.get("machine", {}))),
             side_by_side("Versions", a.get("versions", {}), b.get("versions", {})),
             f"<h2>Recorded numbers ({len(rows)})</h2>",
             table([[esc(ch), f"<code>{esc(n)}</code>", esc(fmt(n, va)), esc(fmt(n, vb)),

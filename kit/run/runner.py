@@ -161,6 +161,39 @@ def print_summary(statuses: list[dict], run: Path) -> None:
     print(f"kernel output and logs: {run / LOG_NAME}")
 
 
+def measured_hardware(recorded: dict | None) -> dict:
+    """The hardware figures a chapter measured, flat: chapter 00's copy and matmul per dtype
+    (with each 16-bit dtype's slowdown against float32), chapter 04's copy and matmul in the
+    run's dtype."""
+    r = (recorded or {}).get("results", {})
+    out = {}
+    limits, speeds = r.get("limits"), dict(r.get("dtype_speeds") or {})
+    if limits:
+        out["copy_GB_per_s"] = limits["bandwidth"] / 1e9
+        out[f"matmul_GFLOP_per_s.{limits['matmul_dtype']}"] = \
+            limits["matmul_flops_per_second"] / 1e9
+    if r.get("dtype_speed"):
+        speeds.setdefault(r["dtype_speed"]["dtype"], r["dtype_speed"])
+    if r.get("copy"):
+        out["copy_GB_per_s"] = r["copy"]["rate"] / 1e9
+    for dtype, m in (r.get("matmul") or {}).items():
+        out[f"matmul_GFLOP_per_s.{dtype}"] = m["rate"] / 1e9
+    for dtype, speed in speeds.items():
+        out[f"slowdown_vs_float32.{dtype}"] = speed["slowdown_vs_float32"]
+    return out
+
+
+def add_measured_hardware(machine: dict, chapter: str, recorded: dict | None) -> None:
+    """Into summary.json's machine section: what `chapter` measured of the hardware, the first
+    chapter to measure a figure keeping it (chapter 00 measures every dtype)."""
+    measured = measured_hardware(recorded)
+    if measured:
+        section = machine.setdefault("measured", {})
+        for key, value in measured.items():
+            section.setdefault(key, value)
+        section.setdefault("measured_by", chapter)
+
+
 def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summary: dict,
                   animate: bool, verbose: bool) -> None:
     """Run each notebook in turn, its line on the terminal, the noise in the run's log;
@@ -178,6 +211,7 @@ def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summar
                 raise
             progress.finish(result_line(i, len(notebooks), status))
             summary["notebooks"].append(status)
+            add_measured_hardware(summary["machine"], nb.stem, status["recorded"])
             summary["seconds"] = round(time.perf_counter() - t0, 2)
             (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 

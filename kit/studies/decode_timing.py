@@ -2,11 +2,14 @@
 
 `run_decode(settings)` checks the request first (nothing heavy before the errors a learner can
 fix), builds the model, sizes the KV budget (kv_cache_memory_bytes, else what chapter 01's
-eager memory profile leaves: it needs no compilation), measures the device's copy bandwidth
-and matmul throughput, checks a batch of mixed prompt lengths against the no-cache reference, then times every strategy: a warm-up run
-(compilation, CUDA graph capture) reported apart, and a timed run of `output_len - 1` decode
-steps after the prefill, each step timed and its logits checked against the reference;
-`num_iters` timed runs per strategy, interleaved.
+eager memory profile leaves: read from chapter 01's record in the run folder when it profiled
+the same settings, else measured; it needs no compilation), measures the device's copy
+bandwidth and matmul throughput (bounded to about a second each, float32's too when the run is
+16-bit, to say whether its dtype is emulated here), checks a batch of mixed prompt lengths
+against the no-cache reference, then times every strategy: a warm-up run (compilation, CUDA
+graph capture) reported apart, and a timed run of `output_len - 1` decode steps after the
+prefill, each step timed and its logits checked against the reference; `num_iters` timed runs
+per strategy, interleaved.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from kit.measure.roofline import DeviceLimits, StepCost, decode_step_cost, measu
 from kit.measure.throughput import copy_bandwidth, fmt_flops, matmul_throughput
 from kit.measure.step_profile import StepBreakdown, profile_steps
 from kit.measure.timing import Timings
-from kit.studies.memory_profiling import profile_run
+from kit.studies.memory_profiling import profile_run, recorded_eager_kv_bytes
 from kit.studies.setup_check import DtypeSpeed
 
 GiB = 2**30
@@ -135,11 +138,13 @@ def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], step
 
 def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
                     steps: int, strategies, dtype: str, num_iters: int,
-                    progress=print, after_round=None) -> dict[str, StrategyTiming]:
+                    progress=print, after_round=None,
+                    profiled_steps: int = PROFILED_STEPS) -> dict[str, StrategyTiming]:
     """Warm every strategy up, then `num_iters` rounds in which each strategy in turn runs
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
     whichever ran at the time; `after_round` is called after each round. The first timed run
-    of each is checked against the reference; then a few more steps of each are profiled."""
+    of each is checked against the reference; then `profiled_steps` more steps of each are
+    profiled (none: no breakdown)."""
     runners, timings = {}, {}
     for i, name in enumerate(strategies, 1):
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
@@ -160,14 +165,16 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
                 timings[name].correctness = check_against_reference(model, prompts, run, dtype)
         if after_round is not None:
             after_round()
-    progress("profiling a few steps of each strategy (where the time goes) ...")
+    if profiled_steps:
+        progress("profiling a few steps of each strategy (where the time goes) ...")
     gemm_bytes = model.arch.linear_weights() * next(model.parameters()).element_size()
     device = batch.kv_cache.device.type
     for name, runner in runners.items():
-        batch.start(model, prompts)
-        timings[name].breakdown = profile_steps(lambda r=runner: batch.step(r),
-                                                min(PROFILED_STEPS, steps), device, name,
-                                                gemm_bytes)
+        if profiled_steps:
+            batch.start(model, prompts)
+            timings[name].breakdown = profile_steps(lambda r=runner: batch.step(r),
+                                                    min(profiled_steps, steps), device, name,
+                                                    gemm_bytes)
         runner.discard()
     return timings
 
@@ -229,13 +236,17 @@ def early_fit(settings: Settings) -> CacheFit:
     return fit_in_cache(settings, most, "capacity × gpu_memory_utilization − weights")
 
 
-def decode_budget(settings: Settings, model: Decoder) -> tuple[int, str]:
-    """`kv_budget` with chapter 01's eager profile of `model` (measured only when no
+def decode_budget(settings: Settings, model: Decoder,
+                  recorded: dict | None = None) -> tuple[int, str]:
+    """`kv_budget` with chapter 01's eager profile of `model`: read from chapter 01's record
+    (`recorded`) when it holds one for the same settings, else measured now (only when no
     kv_cache_memory_bytes is given)."""
     left = None
     if settings.kv_cache_memory_bytes is None:
-        with torch.inference_mode():
-            left = profile_run(model, settings, "eager", weights_bytes(model)).kv_cache_bytes
+        left = recorded_eager_kv_bytes(settings, recorded)
+        if left is None:
+            with torch.inference_mode():
+                left = profile_run(model, settings, "eager", weights_bytes(model)).kv_cache_bytes
     return kv_budget(settings, "eager", left)
 
 
@@ -298,15 +309,17 @@ class DecodeReport:
                 "load_average": self.load_average}
 
 
-def run_decode(settings: Settings, progress=print) -> DecodeReport:
-    """The chapter's measurement: correctness, then every strategy timed against the floor."""
+def run_decode(settings: Settings, progress=print, recorded: dict | None = None) -> DecodeReport:
+    """The chapter's measurement: correctness, then every strategy timed against the floor.
+    `recorded`: chapter 01's record in this run folder, whose eager profile sizes the budget
+    when it was measured with the same settings."""
     check_request(settings)
     early_fit(settings)
     strategies = settings.strategies_to_run()
     load_before = os.getloadavg()
     progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    fit = fit_in_cache(settings, *decode_budget(settings, model))
+    fit = fit_in_cache(settings, *decode_budget(settings, model, recorded))
     progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
              f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
     kv_cache = kv_cache_for(settings, fit.blocks_needed)

@@ -151,14 +151,29 @@ PROFILE_KEYS = ("model", "device", "dtype", "max_num_batched_tokens", "max_num_s
                 "gpu_memory_utilization", "device_memory", "seed")
 
 
+def recorded_profiles(settings: Settings, recorded: dict | None) -> dict[str, dict] | None:
+    """Chapter 01's profile summaries from its record (`recorded`), if it profiled these
+    settings; else None."""
+    if recorded is None:
+        return None
+    same = all(recorded["settings"].get(k) == getattr(settings, k) for k in PROFILE_KEYS)
+    if same and all(name in recorded["results"] for name in PROFILES):
+        return {name: recorded["results"][name] for name in PROFILES}
+    return None
+
+
+def recorded_eager_kv_bytes(settings: Settings, recorded: dict | None) -> int | None:
+    """What chapter 01's recorded eager profile left the KV cache, for these settings."""
+    profiles = recorded_profiles(settings, recorded)
+    return None if profiles is None else profiles["eager"]["kv_cache_bytes"]
+
+
 def recorded_or_measured(settings: Settings, recorded: dict | None) -> tuple[dict[str, dict], str]:
     """Chapter 01's profile summaries for these settings: from `recorded` (chapter 01's record
     in this run's folder, or None) when it holds them for the same settings, else measured now."""
-    if recorded is not None:
-        same = all(recorded["settings"].get(k) == getattr(settings, k) for k in PROFILE_KEYS)
-        if same and all(name in recorded["results"] for name in PROFILES):
-            return ({name: recorded["results"][name] for name in PROFILES},
-                    f"read from {recorded['chapter']}.json")
+    profiles = recorded_profiles(settings, recorded)
+    if profiles is not None:
+        return profiles, f"read from {recorded['chapter']}.json"
     return {k: p.summary() for k, p in profile_memory(settings).items()}, "measured now"
 
 

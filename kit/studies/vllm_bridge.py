@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -71,10 +72,22 @@ def vllm_version() -> str | None:
     return None
 
 
-def write_model_folder(arch, folder: Path) -> Path:
+# Where engine runs find their model folders: one per model config, the same from run to run,
+# because vLLM's compile cache is keyed by the model's path among other things (a folder inside
+# each run folder made every compiled start-up compile from scratch).
+MODELS_CACHE = Path(os.environ.get("KIT_CACHE_DIR", Path.home() / ".cache" / "kit")) / "vllm-models"
+
+
+def cached_model_folder(arch) -> Path:
+    """`MODELS_CACHE/<name>-<hash of its config.json>`: a stable path per configuration."""
+    digest = hashlib.sha256(json.dumps(arch.hf_dict(), sort_keys=True).encode()).hexdigest()
+    return MODELS_CACHE / f"{arch.name}-{digest[:10]}"
+
+
+def write_model_folder(arch, folder: Path | None = None) -> Path:
     """A model folder holding only config.json (the kit's ModelConfig as Hugging Face writes it):
-    all vLLM needs to build the model with dummy weights."""
-    folder = Path(folder)
+    all vLLM needs to build the model with dummy weights. Default: `cached_model_folder`."""
+    folder = Path(folder) if folder is not None else cached_model_folder(arch)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(arch.hf_dict(), indent=1))
     return folder
@@ -474,7 +487,7 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
     return run
 
 
-def run_settings(settings, mode: str, folder: Path, *, block_size: int | None = None,
+def run_settings(settings, mode: str, folder: Path | None = None, *, block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None, decode: bool = True,
                  repeats: int | None = None, echo_log: bool = False,
                  profile_memory: bool = False) -> EngineRun:
@@ -489,7 +502,7 @@ def run_settings(settings, mode: str, folder: Path, *, block_size: int | None = 
     if profile_memory:
         settings = replace(settings, kv_cache_memory_bytes=None)
         kv_cache_memory_bytes = None
-    model = write_model_folder(arch, Path(folder) / arch.name)
+    model = write_model_folder(arch, folder and Path(folder) / arch.name)
     return run_engine(
         model, mode, name=arch.name, vocab_size=arch.vocab_size, repeats=repeats,
         decode=(settings.batch_size, settings.input_len, settings.output_len) if decode else None,

@@ -148,7 +148,7 @@ def kit_decode_steps(settings, modes=("eager", "compiled"),
     timings = time_strategies(model, batch, prompts, steps, list(strategies.values()),
                               settings.dtype,
                               num_iters=max(2, -(-decode_steps // max(1, steps))),
-                              progress=lambda *_: None)
+                              progress=lambda *_: None, profiled_steps=0)
     out = {}
     for mode, strategy in strategies.items():
         t = timings[strategy]
@@ -259,7 +259,7 @@ def run_engines(settings, folder: Path, progress=print) -> dict[str, EngineRun]:
     runs = {}
     for mode in MODES:
         progress(f"starting vLLM ({mode}) ...")
-        run = runs[mode] = run_settings(settings, mode, Path(folder) / "vllm-models")
+        run = runs[mode] = run_settings(settings, mode)
         log = run.save_log(folder)
         progress(f"  {run.error}" if not run.ok else
                  f"  started in {run.startup_seconds:.1f} s (compile "
