@@ -89,3 +89,15 @@ def test_overrides_and_none_keep_the_preset():
     assert s.max_num_batched_tokens == 2048 and s.dtype == "float32" and s.dtype_bytes == 4
     assert s.device_memory == 96 * 2**20
     assert set(PARAMETERS) >= {"model", "device", "max_num_batched_tokens", "gpu_memory_utilization"}
+
+
+def test_vllm_model_folders_have_a_stable_path_per_config(tmp_path):
+    """vLLM keys its compile cache by the model's path: the same config, the same folder."""
+    from kit.studies.vllm_bridge import MODELS_CACHE, cached_model_folder, write_model_folder
+    tiny, other = load("cpu-small").arch, load("cpu-small", model="qwen2.5-0.5b").arch
+    assert cached_model_folder(tiny) == cached_model_folder(load("cpu-small").arch)
+    assert cached_model_folder(tiny) != cached_model_folder(other)
+    assert cached_model_folder(tiny).parent == MODELS_CACHE
+    assert cached_model_folder(tiny).name.startswith("tiny-")
+    written = write_model_folder(tiny, tmp_path / "tiny")  # an explicit folder is kept
+    assert written == tmp_path / "tiny" and (written / "config.json").is_file()

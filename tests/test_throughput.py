@@ -7,6 +7,7 @@ import torch
 
 from kit.measure import throughput
 from kit.measure.device import cpu_isa, describe
+from kit.measure.roofline import fmt_flops
 from kit.measure.timing import Timings
 from kit.studies.setup_check import (SLOW_FACTOR, DtypeSpeed, dtype_note, dtype_speed_here,
                                      dtype_speeds, speed_finding)
@@ -42,8 +43,8 @@ def test_fit_size_stops_at_the_limit_or_the_target():
 
 
 def test_fmt_flops_keeps_slow_rates_readable():
-    assert throughput.fmt_flops(1.0e9) == "1.0 GFLOP/s"
-    assert throughput.fmt_flops(2.5e12) == "2.50 TFLOP/s"
+    assert fmt_flops(1.0e9) == "1.0 GFLOP/s"
+    assert fmt_flops(2.5e12) == "2.50 TFLOP/s"
 
 
 def test_cpu_isa_names_pytorchs_kernels_and_the_flags():

@@ -57,11 +57,6 @@ class Throughput:
                 "probe_seconds": self.seconds}
 
 
-def fmt_flops(rate: float) -> str:
-    """FLOP/s in the unit that keeps a slow CPU's 1.0 GFLOP/s from reading as 0.00 TFLOP/s."""
-    return f"{rate / 1e12:,.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"
-
-
 def one_call_seconds(fn, device: str) -> float:
     synchronize(device)
     t0 = time.perf_counter()

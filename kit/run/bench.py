@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kit.config import DATA, DEFAULT_PRESET, load
+from kit.measure.roofline import fmt_flops
 from kit.run.runner import parse_params
 from kit.run.suite import add_suite_cli
 
@@ -98,5 +99,4 @@ def floor_line(report) -> str:
     return (f"floor (median step): {cost.total_bytes / 1e6:,.1f} MB / "
             f"{limits.bandwidth / 1e9:,.1f} GB/s = {report.median_floor_seconds * 1e3:.2f} ms; "
             f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
-            f"({cost.flops / 1e9:,.2f} GFLOP at "
-            f"{limits.matmul_flops_per_second / 1e12:,.2f} TFLOP/s)")
+            f"({cost.flops / 1e9:,.2f} GFLOP at {fmt_flops(limits.matmul_flops_per_second)})")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 
+from kit.measure.roofline import fmt_flops
+
 
 def fmt_bytes(n) -> str:
     if n is None:
@@ -343,7 +345,7 @@ def roofline_table(report) -> Table:
                    "floor ms": f"{report.median_floor_seconds * 1e3:.2f}",
                    "% of bandwidth floor": f"{t.percent_of_floor:.0f}%",
                    "achieved GB/s": f"{cost.total_bytes / t.median / 1e9:,.1f}",
-                   "achieved TFLOP/s": f"{cost.flops / t.median / 1e12:,.3f}"}
+                   "achieved": fmt_flops(cost.flops / t.median)}
                   for n, t in report.timings.items()])
 
 

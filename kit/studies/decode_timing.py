@@ -28,8 +28,9 @@ from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, describe, synchronize, versions
-from kit.measure.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
-from kit.measure.throughput import copy_bandwidth, fmt_flops, matmul_throughput
+from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, fmt_flops,
+                                  measure_limits)
+from kit.measure.throughput import copy_bandwidth, matmul_throughput
 from kit.measure.step_profile import StepBreakdown, profile_steps
 from kit.measure.timing import Timings
 from kit.studies.memory_profiling import profile_run, recorded_eager_kv_bytes
