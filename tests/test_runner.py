@@ -159,3 +159,15 @@ def test_the_machine_section_gathers_what_chapters_measured():
     machine = {}
     add_measured_hardware(machine, "04_decode_timing", ch04)  # a run without chapter 00
     assert machine["measured"]["matmul_GFLOP_per_s.bfloat16"] == 2.0
+
+
+def test_bench_suite_says_whether_this_cpus_bf16_is_native():
+    from kit.run.suite import bf16_line
+    slow = {"cpu_isa": {"pytorch_kernels": "AVX2"},
+            "measured": {"slowdown_vs_float32.bfloat16": 80.0}}
+    assert bf16_line(slow) == ("PyTorch's kernels AVX2; bf16 matmuls emulated, "
+                               "at 0.01× float32's FLOP/s")
+    fast = {"cpu_isa": {"pytorch_kernels": "AVX512"},
+            "measured": {"slowdown_vs_float32.bfloat16": 0.5}}
+    assert "native, at 2.00×" in bf16_line(fast)
+    assert "not measured" in bf16_line({"cpu_isa": {"pytorch_kernels": "AVX512"}})

@@ -59,7 +59,21 @@ def suite_table(result: dict) -> str:
     cache = result["inductor_cache"]
     lines.append(f"Inductor cache before the run: {cache['state']} ({cache['dir']}, "
                  f"{cache['entries_before']} entries)")
+    lines.append(f"this CPU: {bf16_line(result['machine'])}")
     return "\n".join(lines + target_lines(result))
+
+
+def bf16_line(machine: dict) -> str:
+    """The CPU's kernels and whether its bf16 matmuls ran natively, as the run measured them
+    (the targets are for a CPU without native bf16)."""
+    isa = machine.get("cpu_isa") or {}
+    slowdown = (machine.get("measured") or {}).get("slowdown_vs_float32.bfloat16")
+    kernels = f"PyTorch's kernels {isa.get('pytorch_kernels', '?')}"
+    if slowdown is None:
+        return f"{kernels}; bf16 matmul speed not measured in this run (chapter 00 measures it)"
+    from kit.studies.setup_check import SLOW_FACTOR
+    state = "emulated" if slowdown > SLOW_FACTOR else "native"
+    return f"{kernels}; bf16 matmuls {state}, at {1 / slowdown:,.2f}× float32's FLOP/s"
 
 
 def target_lines(result: dict) -> list[str]:
