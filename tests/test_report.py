@@ -60,14 +60,14 @@ def test_chapter_00_says_not_ready_and_what_to_do(not_ready_run):
 def test_compare_lines_up_numbers_with_ratios_and_figures(cpu_small_run, not_ready_run, tmp_path):
     (_, _, a), (_, _, b) = cpu_small_run, not_ready_run
     rows = {(ch, name): (va, vb) for ch, name, va, vb in numeric_rows(load_run(a), load_run(b))}
-    assert rows[("00_setup_check", "capacity_bytes")] == (2 * 2**30, 32 * 2**20)
+    assert rows[("00_setup_check", "capacity_bytes")] == (96 * 2**20, 32 * 2**20)
     assert rows[("passing", "nested.half_bytes")] == (None, 2048)  # only in B
     assert ("01_memory_profiling", "eager.peak_activation_bytes") in rows  # only in A
     out = write_compare(a, b, tmp_path / "compare.html")
     page = out.read_text()
     assert page.count(PLOTLY_HEADER) == 1
     row = re.search(r"<code>capacity_bytes</code></td>(.*?)</tr>", page).group(1)
-    assert "0.01562×" in row  # 32 MiB ÷ 2 GiB
+    assert "0.3333×" in row  # 32 MiB ÷ 96 MiB
     both = {p.name for p in a.glob("figures/*.json")} | {p.name for p in b.glob("figures/*.json")}
     assert page.count('class="figure kit-figure') == len(both)  # each figure once per run
     assert page.count("only in A") + page.count("only in B") == len(both)  # none in both runs
