@@ -68,9 +68,10 @@ def test_compare_lines_up_numbers_with_ratios_and_figures(cpu_small_run, not_rea
     assert page.count(PLOTLY_HEADER) == 1
     row = re.search(r"<code>capacity_bytes</code></td>(.*?)</tr>", page).group(1)
     assert "0.3333×" in row  # 32 MiB ÷ 96 MiB
-    both = {p.name for p in a.glob("figures/*.json")} | {p.name for p in b.glob("figures/*.json")}
-    assert page.count('class="figure kit-figure') == len(both)  # each figure once per run
-    assert page.count("only in A") + page.count("only in B") == len(both)  # none in both runs
+    in_a, in_b = ({p.name for p in run.glob("figures/*.json")} for run in (a, b))
+    assert page.count('class="figure kit-figure') == len(in_a) + len(in_b)  # once per run
+    assert in_a & in_b  # chapter 00's figure is in both runs, side by side
+    assert page.count("only in A") + page.count("only in B") == len(in_a ^ in_b)
 
 
 def test_report_and_compare_commands(cpu_small_run, tmp_path, capsys):
