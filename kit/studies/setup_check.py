@@ -135,10 +135,10 @@ def slow_dtype_consequence(dtype: str, speed: DtypeSpeed) -> str:
     """What a slow `dtype` means for chapters 03–05, and the way out."""
     return (f"Chapters 03–05 run in {dtype} by default, because vLLM serves a model in its own "
             f"dtype; here its matmuls are {speed.slowdown:,.0f}× slower than float32's, so "
-            "profiling forwards and decode steps take several times longer than on a CPU with "
-            f"native {dtype}, and the kit's and vLLM's step times both show it. dtype=\"float32\" "
-            "is the way out: fast matmuls here, at twice the bytes for the weights, the "
-            "activations and every KV block (half the blocks from the same budget).")
+            "profiling forwards (large matmuls) take many times longer and decode steps up to a "
+            f"few times longer than on a CPU with native {dtype}, the kit's and vLLM's alike. "
+            "dtype=\"float32\" is the way out: fast matmuls here, at twice the bytes for the "
+            "weights, the activations and every KV block (half the blocks from the same budget).")
 
 
 def dtype_note(speed: DtypeSpeed | None, isa: dict | None) -> str:
