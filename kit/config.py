@@ -71,9 +71,10 @@ class ModelConfig:
     attention_bias: bool
     gemma_norm: bool
     torch_dtype: str
+    checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
 
     @classmethod
-    def from_dict(cls, hf: dict, name: str) -> "ModelConfig":
+    def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
         family = hf.get("model_type")
         if family not in FAMILIES:
             raise ConfigError(
@@ -101,18 +102,27 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta(hf),
             hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", FAMILIES[family]["attention_bias"]),
             gemma_norm=FAMILIES[family]["gemma_norm"],
-            torch_dtype=hf.get("torch_dtype", "bfloat16"),
+            # transformers 5 writes `dtype` and `rope_parameters` where 4.x wrote
+            # `torch_dtype` and `rope_theta`
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
+            checkpoint=checkpoint,
         )
 
     @classmethod
     def load(cls, model: str) -> "ModelConfig":
-        """`model` is a preset name (a file under data/models/) or a path to a config.json."""
-        path = Path(model)
+        """`model` is a preset name (a file under data/models/), a path to a config.json
+        (random weights), or a checkpoint folder: its config.json, and its weights when it
+        holds `*.safetensors` (see `checkpoint_files`)."""
+        path, checkpoint = Path(model), None
         if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"model folder {model!r} holds no config.json; a checkpoint "
+                                  "folder needs config.json beside its *.safetensors")
+            checkpoint = str(path.resolve()) if checkpoint_files(path) else None
             path = path / "config.json"
         if not path.is_file():
             path = MODELS_DIR / f"{model}.json"
@@ -120,7 +130,7 @@ class ModelConfig:
             raise ConfigError(f"unknown model {model!r}: give one of {known_names(MODELS_DIR)} "
                               "or the path of a Hugging Face style config.json")
         name = path.parent.name if path.name == "config.json" else path.stem
-        return cls.from_dict(json.loads(path.read_text()), name)
+        return cls.from_dict(json.loads(path.read_text()), name, checkpoint)
 
     def layer_weights(self) -> int:
         """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
@@ -157,6 +167,36 @@ class ModelConfig:
             "hidden_act": self.hidden_act, "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,
         }
+
+
+def rope_theta(hf: dict) -> float:
+    return hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") \
+        or 10000.0
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its model.safetensors.index.json
+    names, else every *.safetensors; [] when it holds no weights (config.json alone). Pickle
+    weights are refused: loading them runs code from the file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ConfigError(f"{index} names shards that are not in the folder: {missing}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not files and pickles:
+        raise ConfigError(
+            f"model folder {str(folder)!r} holds only pickle weights {pickles}; the kit reads "
+            "safetensors only (a pickle runs code when loaded). Convert them once, where you "
+            "trust the files: AutoModelForCausalLM.from_pretrained(folder)"
+            ".save_pretrained(new_folder) writes model.safetensors (transformers' default).")
+    return files
 
 
 def check_tensor_parallel(arch: ModelConfig, tensor_parallel_size: int) -> None:
