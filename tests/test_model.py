@@ -103,3 +103,18 @@ def test_gemma_uses_tanh_gelu_and_offset_norm():
     assert model.layers[0].mlp.gelu and model.layers[0].input_layernorm.gemma
     x = torch.randn(3, 64)
     assert torch.allclose(model.norm(x), F.rms_norm(x, (64,), eps=gemma.rms_norm_eps), atol=1e-5)
+
+
+@pytest.mark.parametrize("act,approximate", [("gelu", "none"), ("gelu_pytorch_tanh", "tanh"),
+                                             ("gelu_new", "tanh")])
+def test_gelu_is_exact_and_gelu_pytorch_tanh_approximate(act, approximate):
+    """transformers' "gelu" is the erf GELU, "gelu_pytorch_tanh" and "gelu_new" the tanh
+    approximation (the kit once ran the approximation for all three)."""
+    mlp = build_model(small(hidden_act=act), "float32", "cpu", seed=0).layers[0].mlp
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    gate, up = F.linear(x, mlp.gate_up_proj.weight * 100).chunk(2, dim=-1)
+    mlp.gate_up_proj.weight.mul_(100)  # pre-activations of order one, where the two differ
+    expected = mlp.down_proj(F.gelu(gate, approximate=approximate) * up)
+    other = mlp.down_proj(F.gelu(gate, approximate={"none": "tanh"}.get(approximate, "none")) * up)
+    assert torch.allclose(mlp(x), expected, rtol=0, atol=1e-6)
+    assert not torch.allclose(mlp(x), other, rtol=0, atol=1e-6)

@@ -165,10 +165,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gelu = arch.hidden_act != "silu"
+        # "gelu" is the exact (erf) GELU in transformers; the others are the tanh approximation
+        self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
 
