@@ -1,0 +1,150 @@
+"""Checkpoint folders in the Hugging Face layout: config.json and safetensors weights.
+
+`load_checkpoint` fills a `Decoder` from the folder `arch.checkpoint` (memory-mapped, cast to
+the model's dtype, Q/K/V and gate/up copied into the fused matrices); `write_checkpoint`
+writes a model's weights under Hugging Face's names, which transformers and vLLM load. Only
+safetensors are read, never pickles. Gemma's norms are stored as an offset from 1 both here
+and in transformers (`GemmaRMSNorm` multiplies by 1 + w), so they map one to one.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kit.config import ModelConfig, checkpoint_files
+from kit.errors import ConfigError
+
+# safetensors dtypes a float model can be cast from
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+IGNORED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; recomputed here
+
+
+def layout(arch: ModelConfig) -> dict[str, list[str]]:
+    """Each kit parameter -> the Hugging Face tensors stacked (along dim 0) to make it."""
+    names = {"embed_tokens.weight": ["model.embed_tokens.weight"],
+             "norm.weight": ["model.norm.weight"]}
+    if not arch.tie_word_embeddings:
+        names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(arch.num_hidden_layers):
+        kit, hf = f"layers.{i}.", f"model.layers.{i}."
+        kinds = ["weight", "bias"] if arch.attention_bias else ["weight"]
+        for kind in kinds:
+            names[f"{kit}self_attn.qkv_proj.{kind}"] = [
+                f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
+        names[f"{kit}self_attn.o_proj.weight"] = [f"{hf}self_attn.o_proj.weight"]
+        names[f"{kit}mlp.gate_up_proj.weight"] = [f"{hf}mlp.gate_proj.weight",
+                                                  f"{hf}mlp.up_proj.weight"]
+        names[f"{kit}mlp.down_proj.weight"] = [f"{hf}mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            names[f"{kit}{norm}.weight"] = [f"{hf}{norm}.weight"]
+    return names
+
+
+def hf_shapes(arch: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `arch` holds, with its shape."""
+    h, inter, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+    shapes = {}
+    for names in layout(arch).values():
+        for name in names:
+            module, kind = name.split(".")[-2:]
+            if "norm" in module:
+                shapes[name] = (h,)
+            elif module in ("embed_tokens", "lm_head"):
+                shapes[name] = (vocab, h)
+            elif kind == "bias":
+                shapes[name] = (rows[module],)
+            else:
+                cols = {"o_proj": q, "down_proj": inter}.get(module, h)
+                shapes[name] = (rows.get(module, h), cols)
+    return shapes
+
+
+def open_files(stack: ExitStack, files: list[Path]) -> dict:
+    """Tensor name -> the open (memory-mapped) file holding it; unreadable files refused."""
+    where = {}
+    for path in files:
+        try:
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{path} is not a readable safetensors file (truncated or "
+                              f"damaged?): {e}") from None
+        where.update({name: handle for name in handle.keys()})
+    return where
+
+
+def check_tensors(arch: ModelConfig, where: dict) -> None:
+    """Names every missing, unexpected, mis-shaped or non-float tensor, from headers only."""
+    expected = hf_shapes(arch)
+    found = {n for n in where if not n.endswith(IGNORED)}
+    if arch.tie_word_embeddings:
+        found.discard("lm_head.weight")  # some tied checkpoints keep the copy; it is unused
+    problems = []
+    if missing := sorted(set(expected) - found):
+        problems.append(f"missing {missing}")
+    if extra := sorted(found - set(expected)):
+        problems.append(f"unexpected {extra}")
+    for name in sorted(set(expected) & found):
+        part = where[name].get_slice(name)
+        if tuple(part.get_shape()) != expected[name]:
+            problems.append(f"{name} has shape {tuple(part.get_shape())}, "
+                            f"expected {expected[name]}")
+        if part.get_dtype() not in FLOAT_DTYPES:
+            problems.append(f"{name} is {part.get_dtype()}, which cannot be cast to a float "
+                            "model's dtype")
+    if problems:
+        raise ConfigError(f"checkpoint {arch.checkpoint} does not match its config.json "
+                          f"({arch.name}): " + "; ".join(problems))
+
+
+@torch.no_grad()
+def copy_into(param: torch.Tensor, parts: list[str], where: dict) -> None:
+    """Copy (and cast) the named tensors into consecutive rows of `param`."""
+    row = 0
+    for name in parts:
+        tensor = where[name].get_tensor(name)
+        rows = param[row:row + tensor.shape[0]]
+        rows.copy_(tensor)
+        if not torch.isfinite(rows).all() and torch.isfinite(tensor).all():
+            raise ConfigError(f"{name} overflows {param.dtype} (values up to "
+                              f"{tensor.abs().max().item():.3g}); use a wider dtype")
+        row += tensor.shape[0]
+
+
+def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
+    """Fill `model` (allocated, any dtype and device) with the weights of `arch.checkpoint`,
+    after checking every tensor's name, shape and dtype against the config."""
+    with ExitStack() as stack:
+        where = open_files(stack, checkpoint_files(Path(arch.checkpoint)))
+        check_tensors(arch, where)
+        params = dict(model.named_parameters())
+        for kit_name, parts in layout(arch).items():
+            copy_into(params[kit_name], parts, where)
+
+
+def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face's names, fused matrices split back apart."""
+    tensors, params = {}, dict(model.named_parameters())
+    shapes = hf_shapes(model.arch)
+    for kit_name, parts in layout(model.arch).items():
+        sizes = [shapes[name][0] for name in parts]
+        for name, piece in zip(parts, params[kit_name].split(sizes)):
+            tensors[name] = piece.detach().cpu().contiguous()
+    return tensors
+
+
+def write_checkpoint(model: torch.nn.Module, out: Path) -> Path:
+    """Write `model` to the folder `out` as config.json and model.safetensors."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config = {**model.arch.hf_dict(), "torch_dtype": dtype}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    save_file(hf_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
