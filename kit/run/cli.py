@@ -1,15 +1,16 @@
 """`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (the runner),
-`report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks). Nothing here
-imports torch: the commands that measure import what they need when they run."""
+`report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks),
+`checkpoint` (a random-weight checkpoint folder). Nothing here imports torch: the commands
+that measure import what they need when they run."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from kit.errors import ConfigError
-from kit.run import bench, report, runner
+from kit.run import bench, checkpoint, report, runner
 
-COMMAND_MODULES = [runner, report, bench]
+COMMAND_MODULES = [runner, report, bench, checkpoint]
 
 
 def main(argv=None) -> int:
