@@ -1,0 +1,224 @@
+"""Checkpoint folders: `python -m kit checkpoint` writes them, `model=<folder>` loads them, bad
+folders are refused with the tensor or file named, and the kit's logits match transformers'
+on checkpoints of every family."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kit
+from kit.config import ModelConfig
+from kit.engine.checkpoint import hf_shapes
+from kit.engine.model import build_model
+from kit.errors import ConfigError
+from kit.run.checkpoint import write_random_checkpoint
+from kit.run.cli import main
+
+SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 32, "vocab_size": 1000, "max_position_embeddings": 2048,
+         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+         "tie_word_embeddings": False, "torch_dtype": "float32"}
+# Each family's traits: grouped- and multi-query attention, head_dim unlike hidden / heads,
+# tied and untied embeddings, QKV bias (qwen2), (1 + w) norms, sqrt(hidden) embedding scale
+# and GELU-tanh (gemma), exact GELU (a llama configured with "gelu").
+CASES = {
+    "llama-gqa": {},
+    "llama-mqa-tied-gelu": {"num_key_value_heads": 1, "head_dim": 16, "hidden_act": "gelu",
+                            "tie_word_embeddings": True},
+    "mistral": {"model_type": "mistral", "hidden_size": 96, "num_attention_heads": 6,
+                "head_dim": 16, "rope_theta": 10000.0},
+    "qwen2-bias-tied": {"model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": True,
+                        "rms_norm_eps": 1e-6},
+    "gemma-mqa": {"model_type": "gemma", "hidden_size": 128, "num_key_value_heads": 1,
+                  "head_dim": 48, "hidden_act": "gelu", "tie_word_embeddings": True,
+                  "num_hidden_layers": 3},
+}
+
+
+def config_file(tmp_path, **changes):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMALL, **changes}))
+    return path
+
+
+def checkpoint(tmp_path, seed=0, dtype="float32", **changes):
+    return write_random_checkpoint(str(config_file(tmp_path, **changes)), tmp_path / "ckpt",
+                                   seed, dtype)
+
+
+def kit_model(folder, dtype="float32"):
+    return build_model(ModelConfig.load(str(folder)), dtype, "cpu")
+
+
+def edit_tensors(folder, change):
+    """Rewrite the folder's model.safetensors with `change(tensors)` applied."""
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def spread(folder, gemma: bool, seed=0):
+    """Weights far from the writer's defaults, so that every tensor moves the logits: norms
+    away from 1 (from 0 for Gemma's offsets), non-zero biases, attention scores well above 1
+    (a wrong rotary layout or scale shows), activations of order one."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def change(tensors):
+        for name, t in tensors.items():
+            noise = torch.randn(t.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                tensors[name] = (0.0 if gemma else 1.0) + 0.3 * noise
+            elif name.endswith(".bias") or "embed" in name:
+                tensors[name] = noise
+            else:
+                gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+                tensors[name] = gain * noise / t.shape[1] ** 0.5
+    edit_tensors(folder, change)
+
+
+def test_writes_what_hugging_face_names(tmp_path):
+    folder = checkpoint(tmp_path, model_type="qwen2", tie_word_embeddings=True)
+    names = set(load_file(folder / "model.safetensors"))
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.1.mlp.up_proj.weight",
+            "model.layers.0.self_attn.k_proj.bias", "model.layers.1.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight"} <= names
+    assert "lm_head.weight" not in names  # tied: the embedding is written once
+    assert names == set(hf_shapes(ModelConfig.load(str(folder))))
+    assert json.loads((folder / "config.json").read_text())["architectures"] == \
+        ["Qwen2ForCausalLM"]
+
+
+def test_folder_loads_the_weights_the_seed_drew(tmp_path):
+    folder = checkpoint(tmp_path, seed=3)
+    settings = kit.load(model=str(folder), device="cpu", dtype="auto")
+    assert settings.arch.checkpoint == str(folder.resolve()) and settings.dtype == "float32"
+    loaded = build_model(settings.arch, "float32", "cpu", seed=99)  # the seed is not used
+    drawn = build_model(ModelConfig.load(str(tmp_path / "config.json")), "float32", "cpu", 3)
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), drawn.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert kit_model(folder, "bfloat16").layers[0].mlp.gate_up_proj.weight.dtype == \
+        torch.bfloat16
+
+
+def test_a_bare_config_json_keeps_random_weights(tmp_path):
+    checkpoint(tmp_path)
+    assert ModelConfig.load(str(tmp_path / "ckpt" / "config.json")).checkpoint is None
+
+
+def test_shards_named_by_the_index_load_the_same_weights(tmp_path):
+    folder = checkpoint(tmp_path)
+    whole = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(whole)
+    shards = {"model-00001-of-00002.safetensors": names[:7],
+              "model-00002-of-00002.safetensors": names[7:]}
+    for file, part in shards.items():
+        save_file({n: whole[n] for n in part}, folder / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = kit_model(folder)
+    assert torch.equal(model.embed_tokens.weight, whole["model.embed_tokens.weight"])
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="model-00002-of-00002"):
+        ModelConfig.load(str(folder))
+
+
+def test_pickle_weights_are_refused_never_read(tmp_path):
+    config_file(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(ConfigError, match="(?s)pytorch_model.bin.*safetensors.*save_pretrained"):
+        ModelConfig.load(str(tmp_path))
+
+
+def test_folder_without_config_json_or_of_an_unknown_family(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.load(str(tmp_path))
+    folder = checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    with pytest.raises(ConfigError, match="phi3"):
+        ModelConfig.load(str(folder))
+
+
+def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
+    folder = checkpoint(tmp_path)
+
+    def change(tensors):
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128)
+        tensors["model.norm.weight"] = torch.ones(63)
+    edit_tensors(folder, change)
+    with pytest.raises(ConfigError) as err:
+        kit_model(folder)
+    for part in ("missing ['model.layers.1.mlp.down_proj.weight']",
+                 "unexpected ['model.layers.0.self_attn.q_proj.bias']",
+                 "model.norm.weight has shape (63,), expected (64,)"):
+        assert part in str(err.value)
+
+
+def test_truncated_file_is_refused(tmp_path):
+    folder = checkpoint(tmp_path)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match="truncated or damaged"):
+        kit_model(folder)
+
+
+def test_tensors_that_cannot_be_cast_are_refused(tmp_path):
+    folder = checkpoint(tmp_path)
+    ints = torch.ones(64, dtype=torch.int64)
+    edit_tensors(folder, lambda t: t.update({"model.norm.weight": ints}))
+    with pytest.raises(ConfigError, match="model.norm.weight is I64"):
+        kit_model(folder)
+    edit_tensors(folder, lambda t: t.update({"model.norm.weight": torch.full((64,), 1e6)}))
+    with pytest.raises(ConfigError, match="model.norm.weight overflows torch.float16"):
+        kit_model(folder, "float16")
+
+
+def test_the_command_writes_a_folder_and_refuses_to_overwrite(tmp_path, capsys):
+    config = str(config_file(tmp_path))
+    assert main(["checkpoint", config, "--out", str(tmp_path / "a"), "--dtype", "bf16"]) == 0
+    assert str(tmp_path / "a") in capsys.readouterr().out
+    assert kit.load(model=str(tmp_path / "a"), device="cpu").dtype == "bfloat16"
+    assert main(["checkpoint", config, "--out", str(tmp_path / "a")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def kit_and_reference_logits(folder, ids):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    model = kit_model(folder)
+    return model.compute_logits(model(ids)), expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_logits_match_transformers(tmp_path, case):
+    """Prefill of 3 prompts of 11 tokens; float32 within 1e-4 of the largest logit."""
+    folder = checkpoint(tmp_path, **CASES[case])
+    spread(folder, gemma=CASES[case].get("model_type") == "gemma")
+    ids = torch.randint(0, 1000, (3, 11), generator=torch.Generator().manual_seed(1))
+    got, expected = kit_and_reference_logits(folder, ids)
+    error = relative_error(got, expected)
+    print(f"{case}: max |kit - transformers| / max |logit| = {error:.2e}")
+    assert error <= kit.config.TOLERANCE["float32"], case
+
+
+def test_the_parity_test_notices_one_wrong_weight(tmp_path):
+    """The comparison is sensitive: one layer norm off by 1% moves the logits beyond it."""
+    folder = checkpoint(tmp_path)
+    spread(folder, gemma=False)
+    ids = torch.randint(0, 1000, (3, 11), generator=torch.Generator().manual_seed(1))
+    edit_tensors(folder, lambda t: t["model.layers.1.input_layernorm.weight"].mul_(1.01))
+    got, _ = kit_and_reference_logits(folder, ids)
+    edit_tensors(folder, lambda t: t["model.layers.1.input_layernorm.weight"].div_(1.01))
+    _, expected = kit_and_reference_logits(folder, ids)
+    assert relative_error(got, expected) > 10 * kit.config.TOLERANCE["float32"]
