@@ -117,6 +117,12 @@ def copy_into(param: torch.Tensor, parts: list[str], where: dict) -> None:
         row += tensor.shape[0]
 
 
+def check_checkpoint(arch: ModelConfig) -> None:
+    """Refuse a folder whose files or tensors do not fit `arch`, reading only the headers."""
+    with ExitStack() as stack:
+        check_tensors(arch, open_files(stack, checkpoint_files(Path(arch.checkpoint))))
+
+
 def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
     """Fill `model` (allocated, any dtype and device) with the weights of `arch.checkpoint`,
     after checking every tensor's name, shape and dtype against the config."""

@@ -251,11 +251,13 @@ def init_weights(model: nn.Module, seed: int) -> None:
 def build_model(arch: ModelConfig, dtype: str, device: str, seed: int = 0) -> Decoder:
     """Allocate the weights directly on `device` in `dtype` (no fp32 copy), then draw them
     from `seed`, or read them from `arch.checkpoint` when the model is a checkpoint folder."""
+    if arch.checkpoint:  # a bad folder is refused before the weights are allocated
+        from kit.engine.checkpoint import check_checkpoint, load_checkpoint
+        check_checkpoint(arch)
     with torch.device("meta"):
         model = Decoder(arch).to(torch_dtype(dtype))
     model = model.to_empty(device=device)
     if arch.checkpoint:
-        from kit.engine.checkpoint import load_checkpoint
         load_checkpoint(model, arch)
     else:
         init_weights(model, seed)
