@@ -179,15 +179,21 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder: the shards its model.safetensors.index.json
-    names, else every *.safetensors; [] when it holds no weights (config.json alone). Pickle
-    weights are refused: loading them runs code from the file."""
+    names, else model.safetensors, else every *.safetensors; [] when it holds no weights
+    (config.json alone). Pickle weights are refused: loading them runs code from the file."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{index} is not an index of shards (a JSON object with a "
+                              f"weight_map): {e!r}") from None
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise ConfigError(f"{index} names shards that are not in the folder: {missing}")
         return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():  # beside it may sit other formats' files
+        return [folder / "model.safetensors"]  # (Mistral's consolidated.safetensors)
     files = sorted(folder.glob("*.safetensors"))
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not files and pickles:

@@ -103,6 +103,13 @@ def test_folder_loads_the_weights_the_seed_drew(tmp_path):
         torch.bfloat16
 
 
+def test_other_safetensors_beside_model_safetensors_are_not_read(tmp_path):
+    """Mistral's repositories hold consolidated.safetensors (other names) beside it."""
+    folder = checkpoint(tmp_path)
+    save_file({"tok_embeddings.weight": torch.zeros(2)}, folder / "consolidated.safetensors")
+    assert ModelConfig.load(str(folder)).checkpoint and kit_model(folder) is not None
+
+
 def test_a_bare_config_json_keeps_random_weights(tmp_path):
     checkpoint(tmp_path)
     assert ModelConfig.load(str(tmp_path / "ckpt" / "config.json")).checkpoint is None
@@ -123,6 +130,9 @@ def test_shards_named_by_the_index_load_the_same_weights(tmp_path):
     assert torch.equal(model.embed_tokens.weight, whole["model.embed_tokens.weight"])
     (folder / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ConfigError, match="model-00002-of-00002"):
+        ModelConfig.load(str(folder))
+    (folder / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match="weight_map"):
         ModelConfig.load(str(folder))
 
 
