@@ -10,6 +10,8 @@ from safetensors.torch import load_file, save_file
 import kit
 from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
+from kit.engine.decode import blocks_needed, decode_runner, generate, make_prompts, new_batch
+from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.run.checkpoint import write_random_checkpoint
@@ -232,3 +234,43 @@ def test_the_parity_test_notices_one_wrong_weight(tmp_path):
     edit_tensors(folder, lambda t: t["model.layers.1.input_layernorm.weight"].div_(1.01))
     _, expected = kit_and_reference_logits(folder, ids)
     assert relative_error(got, expected) > 10 * kit.config.TOLERANCE["float32"]
+
+
+def kit_paged_decode(folder, lengths, steps, strategy):
+    """The kit's paged decode of prompts of `lengths` (block size 4, so prompts end inside
+    blocks and steps cross block edges) through `strategy`'s runner of the step; -> the
+    prompts and the run (every step's logits and tokens)."""
+    model = kit_model(folder)
+    spec = KVCacheSpec.for_model(model.arch, 4, "float32")
+    cache = allocate(spec, blocks_needed(lengths, steps, 4), "float32", "cpu")
+    prompts, batch = make_prompts(lengths, model.arch.vocab_size, 3), new_batch(cache, lengths,
+                                                                                steps)
+    runner = None if strategy == "eager" else decode_runner(model, batch, prompts, strategy)
+    run = generate(model, batch, prompts, steps, step=runner)
+    if runner is not None:
+        runner.discard()
+    return prompts, run
+
+
+@pytest.mark.parametrize("case,strategy", [
+    ("llama-gqa", "eager"), ("qwen2-bias-tied", "eager"), ("gemma-mqa", "eager"),
+    pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
+def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
+    """Every decode step's logits (prefill included) against transformers' forward over the
+    prompt and the tokens fed back, float32 within 1e-4 of the largest logit: the eager step
+    (attention as two matmuls) and a compiled one (attention as summed products)."""
+    transformers = pytest.importorskip("transformers")
+    folder = checkpoint(tmp_path, **CASES[case])
+    spread(folder, gemma=CASES[case].get("model_type") == "gemma")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    lengths, steps = [5, 8, 11], 6
+    prompts, run = kit_paged_decode(folder, lengths, steps, strategy)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :steps]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
+        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    print(f"{case} {strategy}: {steps} steps, max |kit - transformers| / max |logit| = "
+          f"{worst:.2e}")
+    assert worst <= kit.config.TOLERANCE["float32"], (case, strategy, worst)
