@@ -296,3 +296,18 @@ def test_bfloat16_prefill_logits_within_the_kits_tolerance(tmp_path, case):
           f"{relative_error(rounded, exact):.2e}")
     assert relative_error(got, rounded) <= kit.config.TOLERANCE["bfloat16"], case
     assert relative_error(got, exact) <= 1.5 * relative_error(rounded, exact), case
+
+
+def test_token_comparison_allows_16_bit_runs_to_part_only_at_a_low_margin():
+    from kit.studies.token_for_token import TokenComparison, TokenStep
+
+    def steps(tokens, margins):
+        return [TokenStep(0, t, kit, vllm, None, -1.0, m)
+                for t, ((kit, vllm), m) in enumerate(zip(tokens, margins))]
+    parted_late = steps([(1, 1), (2, 2), (3, 4), (5, 6)], [0.5, 0.3, 0.01, 0.2])
+    assert TokenComparison("bfloat16", "f", parted_late).ok  # parted at a margin under 4e-2
+    assert TokenComparison("bfloat16", "f", parted_late).first_low_margin(0) == 2
+    assert not TokenComparison("float32", "f", parted_late).ok  # float32: every token
+    parted_early = steps([(1, 1), (2, 3), (3, 3)], [0.5, 0.3, 0.01])
+    assert not TokenComparison("bfloat16", "f", parted_early).ok  # a wide margin, yet parted
+    assert TokenComparison("float32", "f", steps([(1, 1)], [0.0])).agreement == 1.0

@@ -250,3 +250,21 @@ def memory_kit_vs_vllm(kit_profile, vllm_memory: dict) -> go.Figure:
                     marker_color=COLORS[part])
     fig.update_layout(barmode="stack", yaxis_title="MiB", title="Memory profile: kit and vLLM")
     return fig
+
+
+def token_logprobs(comparison) -> go.Figure:
+    """The kit's against vLLM's log-probability of vLLM's token, step by step, one pair of
+    lines per sequence (`kit.studies.token_for_token.TokenComparison`); a cross marks a step
+    whose tokens differ."""
+    fig = go.Figure()
+    for seq in sorted({s.seq for s in comparison.steps}):
+        steps = [s for s in comparison.steps if s.seq == seq]
+        x = [s.step for s in steps]
+        fig.add_scatter(x=x, y=[s.vllm_logprob for s in steps], mode="lines+markers",
+                        name=f"vLLM, seq {seq}", line={"dash": "dot"})
+        fig.add_scatter(x=x, y=[s.kit_logprob for s in steps], mode="markers",
+                        name=f"kit, seq {seq}", marker={"symbol": [
+                            "circle" if s.agree else "x" for s in steps], "size": 8})
+    fig.update_layout(title=f"Log-probability of vLLM's token, {comparison.dtype}",
+                      xaxis_title="step (0: the prefill's token)", yaxis_title="log-probability")
+    return fig

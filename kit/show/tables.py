@@ -378,3 +378,18 @@ def engines_table(runs: dict) -> Table:
                    "step median (ms)": f"{r.decode_step_median * 1e3:.3f}",
                    "step p90 - p10 (ms)": f"{r.decode_step_spread * 1e3:.3f}"}
                   for mode, r in runs.items()])
+
+
+def token_table(comparisons: dict) -> Table:
+    """Chapter 05's token comparison per dtype (`TokenComparison` each)."""
+    rows = []
+    for dtype, c in comparisons.items():
+        parted = [s for s in c.steps if s.kit_logprob is not None]
+        worst = max(abs(s.kit_logprob - s.vllm_logprob) for s in parted)
+        lows = {q: c.first_low_margin(q) for q in sorted({s.seq for s in c.steps})}
+        rows.append({"dtype": dtype, "tokens agreeing": f"{c.agreement:.0%} of {len(c.steps)}",
+                     "largest log-prob difference": f"{worst:.1e}",
+                     "first step under the margin tolerance, per sequence":
+                         ", ".join(f"{q}: {'none' if t is None else t}" for q, t in lows.items()),
+                     "check": "pass" if c.ok else "FAIL"})
+    return Table(rows)

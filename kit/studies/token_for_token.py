@@ -1,0 +1,140 @@
+"""Chapter 05, token for token: vLLM loads the same checkpoint folder as the kit (real weights,
+no dummy load) and both generate greedily from the same prompts.
+
+Per step and sequence: whether the greedy tokens agree, the kit's and vLLM's log-probability of
+vLLM's token, and the margin between the kit's two best logits (relative to the largest
+logit). Random weights give small margins, so a 16-bit run may part ways where the margin is
+below the dtype's tolerance: the check is every token in float32, and in 16 bits every step of
+a sequence up to its first step whose margin is under the tolerance (that step is named).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kit.config import TOLERANCE, Settings
+from kit.engine.checkpoint import write_checkpoint
+from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch, prompt_lengths
+from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.model import build_model
+from kit.studies.vllm_bridge import MODELS_CACHE, cached_model_folder, greedy_from_checkpoint
+
+CHECKPOINTS = MODELS_CACHE.parent / "checkpoints"
+BLOCK_SIZE = 128  # vLLM's CPU attention takes multiples of 32; the kit's decode any size
+
+
+def chapter_checkpoint(settings: Settings) -> Path:
+    """The folder both sides load: the settings' checkpoint folder, else the chapter's random
+    weights (drawn from the seed, as every chapter draws them) written once per configuration,
+    dtype and seed under `CHECKPOINTS`."""
+    if settings.arch.checkpoint:
+        return Path(settings.arch.checkpoint)
+    name = f"{cached_model_folder(settings.arch).name}-{settings.dtype}-seed{settings.seed}"
+    folder = CHECKPOINTS / name
+    if not (folder / "model.safetensors").is_file():
+        partial = folder.with_name(f"{name}.partial-{os.getpid()}")
+        write_checkpoint(build_model(settings.arch, settings.dtype, "cpu", settings.seed),
+                         partial)
+        os.replace(partial, folder)
+    return folder
+
+
+@dataclass
+class TokenStep:
+    """One sequence at one step (0: the prefill's token)."""
+
+    seq: int
+    step: int
+    kit_token: int
+    vllm_token: int
+    kit_logprob: float | None   # the kit's log-probability of vLLM's token (None once parted)
+    vllm_logprob: float
+    margin: float               # (kit's best - second best logit) / largest |logit|
+
+    @property
+    def agree(self) -> bool:
+        return self.kit_token == self.vllm_token
+
+
+@dataclass
+class TokenComparison:
+    dtype: str
+    folder: str
+    steps: list[TokenStep] = field(default_factory=list)
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE[self.dtype]
+
+    def first_low_margin(self, seq: int) -> int | None:
+        """The first step of `seq` whose margin is under the dtype's tolerance (float32: none
+        counts, every token must agree)."""
+        if self.dtype == "float32":
+            return None
+        return next((s.step for s in self.steps if s.seq == seq and s.margin < self.tolerance),
+                    None)
+
+    def expected_to_agree(self, s: TokenStep) -> bool:
+        low = self.first_low_margin(s.seq)
+        return low is None or s.step < low
+
+    @property
+    def ok(self) -> bool:
+        return all(s.agree for s in self.steps if self.expected_to_agree(s))
+
+    @property
+    def agreement(self) -> float:
+        return sum(s.agree for s in self.steps) / len(self.steps)
+
+    def summary(self) -> dict:
+        seqs = sorted({s.seq for s in self.steps})
+        return {"dtype": self.dtype, "checkpoint": self.folder, "ok": self.ok,
+                "agreement": self.agreement, "tolerance": self.tolerance,
+                "first_low_margin_step": {str(q): self.first_low_margin(q) for q in seqs},
+                "steps": [dict(s.__dict__, agree=s.agree) for s in self.steps]}
+
+
+def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], steps: int):
+    """The kit's eager paged decode on the checkpoint's weights: tokens and logits per step."""
+    arch = replace(settings.arch, checkpoint=str(folder))
+    model = build_model(arch, settings.dtype, "cpu", settings.seed)
+    lengths = [len(p) for p in prompts]
+    spec = KVCacheSpec.for_model(arch, BLOCK_SIZE, settings.dtype)
+    cache = allocate(spec, blocks_needed(lengths, steps, BLOCK_SIZE), settings.dtype, "cpu")
+    return generate(model, new_batch(cache, lengths, steps), prompts, steps)
+
+
+def compare_tokens(settings: Settings, dtype: str | None = None) -> TokenComparison:
+    """Both sides greedy on the chapter's checkpoint, `batch_size` prompts of `input_len`
+    tokens, `output_len` tokens each, in `dtype` (default: the settings'); on the CPU (vLLM's
+    CPU engine, in this process)."""
+    settings = replace(settings, dtype=dtype or settings.dtype)
+    folder = chapter_checkpoint(settings)
+    lengths = prompt_lengths(settings.batch_size, settings.input_len)
+    prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed)
+    steps = settings.output_len - 1
+    run = kit_greedy(settings, folder, prompts, steps)
+    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
+                                  settings.dtype, BLOCK_SIZE)
+    return TokenComparison(settings.dtype, str(folder), token_steps(run, vllm))
+
+
+def token_steps(run, vllm) -> list[TokenStep]:
+    """Per sequence and step, the kit's run beside vLLM's; the kit's log-probability of vLLM's
+    token only while the two have fed back the same tokens."""
+    logits = run.logits.float()                          # [steps + 1, seqs, vocab]
+    logprobs = torch.log_softmax(logits, -1)
+    top2 = logits.topk(2, -1).values
+    margins = (top2[..., 0] - top2[..., 1]) / logits.abs().amax(-1)
+    out = []
+    for i, tokens in enumerate(vllm.tokens):
+        same = True
+        for t, token in enumerate(tokens):
+            out.append(TokenStep(i, t, int(run.tokens[i, t]), token,
+                                 logprobs[t, i, token].item() if same else None,
+                                 vllm.logprobs[i][t], margins[t, i].item()))
+            same = same and out[-1].agree
+    return out
