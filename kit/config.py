@@ -72,6 +72,7 @@ class ModelConfig:
     gemma_norm: bool
     torch_dtype: str
     checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
+    rope_scaling: tuple = ()       # Llama 3's RoPE scaling as (key, value) pairs; () for none
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -109,7 +110,7 @@ class ModelConfig:
             # transformers 5 writes `dtype` and `rope_parameters` where 4.x wrote
             # `torch_dtype` and `rope_theta`
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
-            checkpoint=checkpoint,
+            checkpoint=checkpoint, rope_scaling=rope_scaling(hf, name),
         )
 
     @classmethod
@@ -166,12 +167,34 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "hidden_act": self.hidden_act, "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,
+            **({"rope_scaling": {"rope_type": "llama3", **dict(self.rope_scaling)}}
+               if self.rope_scaling else {}),
         }
 
 
 def rope_theta(hf: dict) -> float:
     return hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") \
         or 10000.0
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def rope_scaling(hf: dict, name: str) -> tuple:
+    """Llama 3's RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) as
+    (key, value) pairs, () for none; every other kind refused, since ignoring it would give
+    a real checkpoint wrong logits."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return ()
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if kind != "llama3" or missing:
+        raise ConfigError(f"model {name!r}: rope scaling {kind!r} "
+                          f"{'lacks ' + str(missing) if kind == 'llama3' else 'is not supported'}"
+                          "; the kit's RoPE covers none and Llama 3's ('llama3')")
+    return tuple((k, params[k]) for k in LLAMA3_ROPE_KEYS)
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

@@ -1,6 +1,7 @@
 """Checkpoint folders: `python -m kit checkpoint` writes them, `model=<folder>` loads them, bad
 folders are refused with the tensor or file named, and the kit's logits match transformers'
 on checkpoints of every family."""
+import dataclasses
 import json
 
 import pytest
@@ -33,6 +34,9 @@ CASES = {
                 "head_dim": 16, "rope_theta": 10000.0},
     "qwen2-bias-tied": {"model_type": "qwen2", "rope_theta": 1e6, "tie_word_embeddings": True,
                         "rms_norm_eps": 1e-6},
+    "llama3-rope-scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 32}},
     "gemma-mqa": {"model_type": "gemma", "hidden_size": 128, "num_key_value_heads": 1,
                   "head_dim": 48, "hidden_act": "gelu", "tie_word_embeddings": True,
                   "num_hidden_layers": 3},
@@ -311,3 +315,20 @@ def test_token_comparison_allows_16_bit_runs_to_part_only_at_a_low_margin():
     parted_early = steps([(1, 1), (2, 3), (3, 3)], [0.5, 0.3, 0.01])
     assert not TokenComparison("bfloat16", "f", parted_early).ok  # a wide margin, yet parted
     assert TokenComparison("float32", "f", steps([(1, 1)], [0.0])).agreement == 1.0
+
+
+def test_llama3_rope_scaling_matters_and_other_kinds_are_refused(tmp_path):
+    """Without its RoPE scaling a Llama 3 checkpoint's logits leave the tolerance (the kit
+    used to ignore it); scaling kinds the kit lacks are refused, not ignored."""
+    case = CASES["llama3-rope-scaling"]
+    folder = checkpoint(tmp_path, **case)
+    spread(folder, gemma=False)
+    ids = torch.randint(0, 1000, (3, 11), generator=torch.Generator().manual_seed(1))
+    scaled, expected = kit_and_reference_logits(folder, ids)
+    unscaled = build_model(dataclasses.replace(ModelConfig.load(str(folder)), rope_scaling=()),
+                           "float32", "cpu")
+    assert relative_error(scaled, expected) <= kit.config.TOLERANCE["float32"]
+    assert relative_error(unscaled.compute_logits(unscaled(ids)), expected) > 1e-3
+    with pytest.raises(ConfigError, match="'yarn' is not supported"):
+        ModelConfig.load(str(config_file(tmp_path, rope_scaling={"rope_type": "yarn",
+                                                                 "factor": 4.0})))

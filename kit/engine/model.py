@@ -13,6 +13,7 @@ sequence's keys and values back through its block table (`block_tables`, `contex
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -37,10 +38,26 @@ class RMSNorm(nn.Module):
         return (xf * (1.0 + w if self.gemma else w)).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos and sin of shape [tokens, head_dim / 2] for the rotary embedding."""
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3's RoPE scaling: wavelengths past the original context's are stretched by
+    `factor`, those under it / high_freq_factor kept, and the band between interpolated."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple = ()):
+    """cos and sin of shape [tokens, head_dim / 2] for the rotary embedding (`scaling`: Llama
+    3's, as `ModelConfig.rope_scaling` holds it)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    if scaling:
+        inv_freq = llama3_inv_freq(inv_freq, dict(scaling))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     return freqs.cos(), freqs.sin()
 
@@ -224,7 +241,8 @@ class Decoder(nn.Module):
 
     def run_layers(self, input_ids, positions, num_seqs: int, meta=None) -> torch.Tensor:
         """Flat tokens [tokens] at `positions` [tokens] through every layer and the final norm."""
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta,
+                                self.arch.rope_scaling)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, num_seqs, meta)
