@@ -13,7 +13,7 @@ from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
 from kit.engine.decode import blocks_needed, decode_runner, generate, make_prompts, new_batch
 from kit.engine.kv_cache import KVCacheSpec, allocate
-from kit.engine.model import build_model
+from kit.engine.model import build_model, summed_attention
 from kit.errors import ConfigError
 from kit.run.checkpoint import write_random_checkpoint
 from kit.run.cli import main
@@ -249,6 +249,9 @@ def kit_paged_decode(folder, lengths, steps, strategy):
     cache = allocate(spec, blocks_needed(lengths, steps, 4), "float32", "cpu")
     prompts, batch = make_prompts(lengths, model.arch.vocab_size, 3), new_batch(cache, lengths,
                                                                                 steps)
+    if strategy == "eager_summed":  # eagerly, the attention summed as compiled code sums it
+        with summed_attention():
+            return prompts, generate(model, batch, prompts, steps)
     runner = None if strategy == "eager" else decode_runner(model, batch, prompts, strategy)
     run = generate(model, batch, prompts, steps, step=runner)
     if runner is not None:
@@ -258,6 +261,7 @@ def kit_paged_decode(folder, lengths, steps, strategy):
 
 @pytest.mark.parametrize("case,strategy", [
     ("llama-gqa", "eager"), ("qwen2-bias-tied", "eager"), ("gemma-mqa", "eager"),
+    ("gemma-mqa", "eager_summed"),
     pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
 def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
     """Every decode step's logits (prefill included) against transformers' forward over the

@@ -13,6 +13,7 @@ sequence's keys and values back through its block table (`block_tables`, `contex
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -101,6 +102,27 @@ def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.T
                          torch.cat([offset, offset])), torch.cat([k, v]))
 
 
+# The paged attention's form run eagerly: two matmuls, unless `summed_attention()` asks for the
+# summed products compiled code always runs, so chapter 04 can tell what the form buys from
+# what the compiler buys. (Compiled code never reads this: the branch is taken while tracing.)
+_EAGER_SUMMED = {"on": False}
+
+
+@contextlib.contextmanager
+def summed_attention():
+    """Within it, eager paged attention sums products, as compiled code does."""
+    before, _EAGER_SUMMED["on"] = _EAGER_SUMMED["on"], True
+    try:
+        yield
+    finally:
+        _EAGER_SUMMED["on"] = before
+
+
+def summed_form() -> bool:
+    """Whether the paged attention sums products (always, compiled) or calls two matmuls."""
+    return True if torch.compiler.is_compiling() else _EAGER_SUMMED["on"]
+
+
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
@@ -119,8 +141,9 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
     # which Inductor turns into one kernel that gathers through the table as it goes (faster
-    # than compiled matmuls; the README gives the times seen).
-    if torch.compiler.is_compiling():
+    # than compiled matmuls; the README gives the times seen). `summed_attention` sums eagerly too.
+    summed = summed_form()
+    if summed:
         qg = q.view(num_seqs, kv_heads, group, 1, head_dim).float()
         scores = (qg * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1)
     else:  # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
@@ -128,7 +151,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                               k.permute(0, 2, 3, 1)).float()
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
     weights = (scores * head_dim ** -0.5).softmax(-1)
-    if torch.compiler.is_compiling():
+    if summed:
         out = (weights[..., None] * v.permute(0, 2, 1, 3)[:, :, None].float()).sum(-2)
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))

@@ -393,3 +393,17 @@ def token_table(comparisons: dict) -> Table:
                          ", ".join(f"{q}: {'none' if t is None else t}" for q, t in lows.items()),
                      "check": "pass" if c.ok else "FAIL"})
     return Table(rows)
+
+
+def form_table(report) -> Table | str:
+    """Chapter 04: what the attention's form buys and what the compiler buys
+    (`DecodeReport.form_and_compiler`)."""
+    f = report.form_and_compiler()
+    if f is None:
+        return "needs the eager strategy and a compiled one"
+    return Table([{"eager, two matmuls (ms)": f"{f['eager_matmuls_seconds'] * 1e3:.2f}",
+                   "eager, summed products (ms)": f"{f['eager_summed_seconds'] * 1e3:.2f}",
+                   f"{f['best_compiled']}, summed products (ms)":
+                       f"{f['best_compiled_seconds'] * 1e3:.2f}",
+                   "the form buys (matmuls ÷ summed, eager)": f"{f['form_buys']:.2f}×",
+                   "the compiler buys (eager ÷ compiled, summed)": f"{f['compiler_buys']:.2f}×"}])

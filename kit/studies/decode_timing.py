@@ -25,7 +25,7 @@ from kit.engine.decode import (Correctness, PagedBatch, check_against_reference,
                                decode_inputs, decode_runner, generate, kv_cache_for,
                                prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
-from kit.engine.model import Decoder, build_model, weights_bytes
+from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, describe, synchronize, versions
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, fmt_flops,
@@ -180,6 +180,23 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
     return timings
 
 
+EAGER_SUMMED = "eager_summed"  # the eager step with the attention summed as compiled code does
+
+
+def time_eager_summed(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                      steps: int, timing: StrategyTiming, dtype: str) -> None:
+    """One more timed run, appended to `timing`: the eager step with the paged attention
+    summed (`summed_attention`), as every compiled strategy runs it; its first run is checked
+    against the reference. Called after each round of `time_strategies`."""
+    first = not timing.runs
+    with summed_attention():
+        run = generate(model, batch, prompts, steps, keep_logits=first)
+    timing.runs.append(run.step_seconds)
+    timing.prefills.append(run.prefill_seconds)
+    if first:
+        timing.correctness = check_against_reference(model, prompts, run, dtype)
+
+
 # --- checking the request before anything heavy ---------------------------------------------
 
 @dataclass
@@ -265,6 +282,7 @@ class DecodeReport:
     timings: dict[str, StrategyTiming]
     costs: list[StepCost]               # per decode step of the timed runs
     dtype_speed: DtypeSpeed | None      # the run's 16-bit matmuls against float32's, here
+    eager_summed: StrategyTiming | None  # the eager step with compiled code's attention form
     machine: dict = field(default_factory=dict)
     load_average: dict = field(default_factory=dict)
 
@@ -286,13 +304,27 @@ class DecodeReport:
         """The median step's FLOPs at the measured matmul throughput."""
         return self.median_cost.flops / self.limits.matmul_flops_per_second
 
+    def form_and_compiler(self) -> dict | None:
+        """The eager step with two matmuls ÷ with summed products (what the attention's form
+        buys), and with summed products ÷ the best compiled strategy (what the compiler buys,
+        the form being the same); None without an eager and a compiled strategy."""
+        compiled = [t for n, t in self.timings.items() if n != "eager"]
+        if "eager" not in self.timings or not compiled or not self.eager_summed:
+            return None
+        best = min(compiled, key=lambda t: t.median)
+        eager, summed = self.timings["eager"].median, self.eager_summed.median
+        return {"eager_matmuls_seconds": eager, "eager_summed_seconds": summed,
+                "best_compiled": best.strategy, "best_compiled_seconds": best.median,
+                "form_buys": eager / summed, "compiler_buys": summed / best.median}
+
     def best(self) -> StrategyTiming:
         return min(self.timings.values(), key=lambda t: t.median)
 
     def failed_correctness(self) -> list[str]:
         """Runs whose logits left the no-cache reference's tolerance (strategies, and "mixed
         lengths" for the eager run of mixed prompt lengths)."""
-        failed = [t.strategy for t in self.timings.values() if not t.correctness.ok]
+        runs = [*self.timings.values(), *([self.eager_summed] if self.eager_summed else [])]
+        failed = [t.strategy for t in runs if t.correctness and not t.correctness.ok]
         return failed + ([] if self.mixed.ok else ["mixed lengths"])
 
     def summary(self) -> dict:
@@ -306,6 +338,8 @@ class DecodeReport:
                 "mixed_lengths": {"prompt_lens": self.mixed_lens, **self.mixed.summary()},
                 "strategies": {k: t.summary() for k, t in self.timings.items()},
                 "dtype_speed": self.dtype_speed.summary() if self.dtype_speed else None,
+                "eager_summed": self.eager_summed.summary() if self.eager_summed else None,
+                "form_and_compiler": self.form_and_compiler(),
                 "best_strategy": self.best().strategy, "machine": self.machine,
                 "load_average": self.load_average}
 
@@ -336,15 +370,19 @@ def run_decode(settings: Settings, progress=print, recorded: dict | None = None)
     costs = step_costs(settings, fit)
     batch, prompts = decode_inputs(settings, kv_cache)
     samples = []  # the copy again after each round of timed runs
+    summed = StrategyTiming(EAGER_SUMMED, len(prompts))
+
+    def after_round():
+        time_eager_summed(model, batch, prompts, fit.steps, summed, settings.dtype)
+        samples.append(copy_bandwidth(settings.device, RESAMPLE_SECONDS).rate)
     timings = time_strategies(model, batch, prompts, fit.steps, strategies, settings.dtype,
-                              settings.num_iters, progress, after_round=lambda: samples.append(
-                                  copy_bandwidth(settings.device, RESAMPLE_SECONDS).rate))
+                              settings.num_iters, progress, after_round=after_round)
     limits = limits.with_samples(samples)
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
                  f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
-    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs, speed,
+    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs, speed, summed,
                         machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()})
 
