@@ -168,3 +168,26 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     worst = max(abs(a - b) for m, v in zip(mine, vllm.logprobs) for a, b in zip(m, v))
     print(f"{len(lengths)} × {steps + 1} tokens agree; log-probabilities within {worst:.1e}")
     assert worst <= 1e-3
+
+
+def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
+    """Chapter 05's comparison on a user's folder (model=<folder>): in float32 every token
+    agrees, and with a tokenizer in the folder both sides' tokens read as the same text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kit.run.checkpoint import write_random_checkpoint
+    from kit.studies.token_for_token import compare_tokens, texts
+    folder = write_random_checkpoint("tiny", tmp_path / "ckpt", 0, "float32")
+    vocab = {f"w{i}": i for i in range(32000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json")).save_pretrained(folder)
+    settings = kit.load("cpu-small", model=str(folder), dtype="float32", batch_size=2,
+                        input_len=12, output_len=6)
+    comparison = compare_tokens(settings)
+    assert comparison.ok and comparison.agreement == 1.0 and len(comparison.steps) == 12
+    rows = texts(comparison)
+    assert [r["seq"] for r in rows] == [0, 1]
+    assert all(r["kit"] == r["vLLM"] and len(r["kit"].split()) == 6 for r in rows)

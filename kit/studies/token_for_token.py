@@ -97,6 +97,26 @@ class TokenComparison:
                 "steps": [dict(s.__dict__, agree=s.agree) for s in self.steps]}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def texts(comparison: TokenComparison) -> list[dict] | None:
+    """Each sequence's generated tokens as text, the kit's and vLLM's, when the checkpoint
+    folder holds a tokenizer (decoded with transformers' `AutoTokenizer`, which vLLM itself
+    uses); None without one."""
+    folder = Path(comparison.folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    rows = []
+    for seq in sorted({s.seq for s in comparison.steps}):
+        steps = [s for s in comparison.steps if s.seq == seq]
+        rows.append({"seq": seq, "kit": tokenizer.decode([s.kit_token for s in steps]),
+                     "vLLM": tokenizer.decode([s.vllm_token for s in steps])})
+    return rows
+
+
 def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], steps: int):
     """The kit's eager paged decode on the checkpoint's weights: tokens and logits per step."""
     arch = replace(settings.arch, checkpoint=str(folder))
