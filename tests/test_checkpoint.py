@@ -260,8 +260,7 @@ def kit_paged_decode(folder, lengths, steps, strategy):
 
 
 @pytest.mark.parametrize("case,strategy", [
-    ("llama-gqa", "eager"), ("qwen2-bias-tied", "eager"), ("gemma-mqa", "eager"),
-    ("gemma-mqa", "eager_summed"),
+    *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
     pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
 def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
     """Every decode step's logits (prefill included) against transformers' forward over the
