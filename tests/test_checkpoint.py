@@ -335,3 +335,12 @@ def test_llama3_rope_scaling_matters_and_other_kinds_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="'yarn' is not supported"):
         ModelConfig.load(str(config_file(tmp_path, rope_scaling={"rope_type": "yarn",
                                                                  "factor": 4.0})))
+
+
+def test_a_token_comparison_vllm_could_not_run_is_recorded_not_raised():
+    from kit.show.tables import token_table
+    from kit.studies.token_for_token import TokenComparison, texts
+    failed = TokenComparison("float32", "nowhere", error="ValueError: float32 not supported")
+    assert not failed.ok and failed.agreement == 0.0 and texts(failed) is None
+    assert failed.summary()["error"].startswith("ValueError")
+    assert "float32 not supported" in repr(token_table({"float32": failed}))

@@ -264,7 +264,8 @@ def token_logprobs(comparison) -> go.Figure:
                         name=f"vLLM, seq {seq}", line={"dash": "dot"})
         fig.add_scatter(x=x, y=[s.kit_logprob for s in steps], mode="markers",
                         name=f"kit, seq {seq}", marker={"symbol": [
-                            "circle" if s.agree else "x" for s in steps], "size": 8})
+                            "circle" if s.agree else "x" for s in steps], "size": 8},
+                        hovertext=[f"margin {s.margin:.1e}" for s in steps])
     fig.update_layout(title=f"Log-probability of vLLM's token, {comparison.dtype}",
                       xaxis_title="step (0: the prefill's token)", yaxis_title="log-probability")
     return fig

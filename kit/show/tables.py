@@ -384,6 +384,9 @@ def token_table(comparisons: dict) -> Table:
     """Chapter 05's token comparison per dtype (`TokenComparison` each)."""
     rows = []
     for dtype, c in comparisons.items():
+        if c.error:
+            rows.append({"dtype": dtype, "tokens agreeing": "not compared", "check": c.error})
+            continue
         parted = [s for s in c.steps if s.kit_logprob is not None]
         worst = max(abs(s.kit_logprob - s.vllm_logprob) for s in parted)
         lows = {q: c.first_low_margin(q) for q in sorted({s.seq for s in c.steps})}

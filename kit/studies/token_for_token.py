@@ -64,6 +64,7 @@ class TokenComparison:
     dtype: str
     folder: str
     steps: list[TokenStep] = field(default_factory=list)
+    error: str | None = None    # vLLM could not run the comparison (its message)
 
     @property
     def tolerance(self) -> float:
@@ -83,15 +84,17 @@ class TokenComparison:
 
     @property
     def ok(self) -> bool:
-        return all(s.agree for s in self.steps if self.expected_to_agree(s))
+        return not self.error and bool(self.steps) and all(
+            s.agree for s in self.steps if self.expected_to_agree(s))
 
     @property
     def agreement(self) -> float:
-        return sum(s.agree for s in self.steps) / len(self.steps)
+        return sum(s.agree for s in self.steps) / len(self.steps) if self.steps else 0.0
 
     def summary(self) -> dict:
         seqs = sorted({s.seq for s in self.steps})
         return {"dtype": self.dtype, "checkpoint": self.folder, "ok": self.ok,
+                "error": self.error,
                 "agreement": self.agreement, "tolerance": self.tolerance,
                 "first_low_margin_step": {str(q): self.first_low_margin(q) for q in seqs},
                 "steps": [dict(s.__dict__, agree=s.agree) for s in self.steps]}
@@ -103,9 +106,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 def texts(comparison: TokenComparison) -> list[dict] | None:
     """Each sequence's generated tokens as text, the kit's and vLLM's, when the checkpoint
     folder holds a tokenizer (decoded with transformers' `AutoTokenizer`, which vLLM itself
-    uses); None without one."""
+    uses); None without one, or without tokens to decode."""
     folder = Path(comparison.folder)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not comparison.steps or not any((folder / n).is_file() for n in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -137,8 +140,12 @@ def compare_tokens(settings: Settings, dtype: str | None = None) -> TokenCompari
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed)
     steps = settings.output_len - 1
     run = kit_greedy(settings, folder, prompts, steps)
-    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
-                                  settings.dtype, BLOCK_SIZE)
+    try:
+        vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
+                                      settings.dtype, BLOCK_SIZE)
+    except Exception as e:  # vLLM's refusal (a dtype its backend lacks): recorded, not raised
+        return TokenComparison(settings.dtype, str(folder), error=f"{type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}")
     return TokenComparison(settings.dtype, str(folder), token_steps(run, vllm))
 
 
