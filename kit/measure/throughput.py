@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kit.measure.device import synchronize, torch_dtype
+from kit.measure.device import torch_dtype
 from kit.measure.timing import Timings, time_fn
 
 BUDGET_SECONDS = 1.0
@@ -57,14 +57,6 @@ class Throughput:
                 "probe_seconds": self.seconds}
 
 
-def one_call_seconds(fn, device: str) -> float:
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
 def fit_size(make_call, start: int, limit: int, exponent: int, device: str, target: float,
              align: int):
     """The largest size up to `limit` whose call takes about `target` seconds or less, grown from
@@ -72,8 +64,8 @@ def fit_size(make_call, start: int, limit: int, exponent: int, device: str, targ
     size = start
     while True:
         fn = make_call(size)
-        fn()  # the first call pays for allocation and kernel selection
-        seconds = one_call_seconds(fn, device)
+        # one timed call after one that pays for allocation and kernel selection
+        seconds = time_fn(fn, device, repeats=1, warmup=1).median
         if size >= limit or seconds >= target / 2:
             return size, fn, seconds
         grow = min(4.0, (target / max(seconds, 1e-7)) ** (1 / exponent))
@@ -114,9 +106,3 @@ def matmul_throughput(device: str, dtype: str, budget: float = BUDGET_SECONDS) -
         return lambda: a @ b
     return bounded("matmul", device, dtype, make_call, lambda n: 2 * n**3, 128, limit, 3, 64,
                    budget)
-
-
-def matmul_by_dtype(device: str, dtypes=MATMUL_DTYPES,
-                    budget: float = BUDGET_SECONDS) -> dict[str, Throughput]:
-    """`matmul_throughput` in each dtype, one after the other (a budget each)."""
-    return {dtype: matmul_throughput(device, dtype, budget) for dtype in dtypes}

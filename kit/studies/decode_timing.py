@@ -324,7 +324,7 @@ class DecodeReport:
         """Runs whose logits left the no-cache reference's tolerance (strategies, and "mixed
         lengths" for the eager run of mixed prompt lengths)."""
         runs = [*self.timings.values(), *([self.eager_summed] if self.eager_summed else [])]
-        failed = [t.strategy for t in runs if t.correctness and not t.correctness.ok]
+        failed = [t.strategy for t in runs if not t.correctness.ok]
         return failed + ([] if self.mixed.ok else ["mixed lengths"])
 
     def summary(self) -> dict:
