@@ -1,16 +1,16 @@
 """`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (the runner),
 `report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks),
-`checkpoint` (a random-weight checkpoint folder). Nothing here imports torch: the commands
-that measure import what they need when they run."""
+`checkpoint` (a random-weight checkpoint folder), `sweep` (a grid of runs, on Ray). Nothing
+here imports torch or Ray: the commands that need them import them when they run."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from kit.errors import ConfigError
-from kit.run import bench, checkpoint, report, runner
+from kit.run import bench, checkpoint, report, runner, sweep
 
-COMMAND_MODULES = [runner, report, bench, checkpoint]
+COMMAND_MODULES = [runner, report, bench, checkpoint, sweep]
 
 
 def main(argv=None) -> int:

@@ -147,10 +147,14 @@ class Figures:
         self.count = 0
 
     def div(self, path: Path, compact: bool = False) -> str:
+        return self.div_json(path.stem, path.read_text(), compact)
+
+    def div_json(self, name: str, text: str, compact: bool = False) -> str:
+        """A figure from its plotly JSON text."""
         self.count += 1
-        data = path.read_text().replace("</", "<\\/")  # keep "</script>" out of the JSON
+        data = text.replace("</", "<\\/")  # keep "</script>" out of the JSON
         return (f'<div class="figure kit-figure{" compact" if compact else ""}" '
-                f'id="figure-{self.count}" data-name="{esc(path.stem)}"></div>'
+                f'id="figure-{self.count}" data-name="{esc(name)}"></div>'
                 f'<script type="application/json" id="figure-{self.count}-json">{data}</script>')
 
 

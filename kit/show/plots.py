@@ -269,3 +269,54 @@ def token_logprobs(comparison) -> go.Figure:
     fig.update_layout(title=f"Log-probability of vLLM's token, {comparison.dtype}",
                       xaxis_title="step (0: the prefill's token)", yaxis_title="log-probability")
     return fig
+
+
+def sweep_curve(name: str, parameter: str, lines: list[tuple[str, list, list, list]]) -> go.Figure:
+    """One recorded number of a sweep against one grid parameter: a line (label, x values,
+    y values, point names) per combination of the other parameters' values."""
+    fig = go.Figure()
+    for label, xs, ys, points in lines:
+        fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=label or name, customdata=points,
+                        hovertemplate="%{customdata}<br>" + parameter + " = %{x}<br>"
+                        + name + " = %{y:,.6g}<extra></extra>")
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  for _, xs, _, _ in lines for x in xs)
+    fig.update_layout(title=name, xaxis_title=parameter, yaxis_title=name.rsplit(".", 1)[-1],
+                      showlegend=len(lines) > 1, height=340, margin=dict(t=50, b=40),
+                      xaxis_type=None if numeric else "category")
+    return fig
+
+
+def seed_curve(series: list[tuple[str, list[int], list[int], list[int]]], seed: dict) -> go.Figure:
+    """The seed's trade-off as a curve: KV blocks left by the eager and the compiled profile
+    against the profiled tokens (top), their ratio (bottom) with the seed's point marked.
+    `series`: (label, tokens, eager blocks, compiled blocks) per combination of other values."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        row_heights=[0.6, 0.4],
+                        subplot_titles=("KV cache blocks left after profiling",
+                                        "compiled ÷ eager"))
+    for label, tokens, eager, compiled in series:
+        prefix = f"{label}: " if label else ""
+        for profile, blocks, dash in (("eager", eager, "dot"), ("compiled", compiled, "solid")):
+            fig.add_scatter(x=tokens, y=blocks, mode="lines+markers", name=prefix + profile,
+                            line_dash=dash, row=1, col=1,
+                            hovertemplate="%{x} tokens: %{y:,} blocks<extra>" + prefix + profile
+                            + "</extra>")
+        ratios = [c / e if e > 0 else None for e, c in zip(eager, compiled)]
+        fig.add_scatter(x=tokens, y=ratios, mode="lines+markers", name=prefix + "ratio here",
+                        row=2, col=1, hovertemplate="%{x} tokens: %{y:.3f}×<extra></extra>")
+    compiled, eager = seed["kv_blocks_profile_compiled"], seed["kv_blocks_profile_eager"]
+    fig.add_scatter(x=[seed["max_num_batched_tokens"]], y=[compiled / eager], mode="markers+text",
+                    marker=dict(symbol="star", size=16, color="#c44e52"),
+                    text=[f"seed: {compiled} ÷ {eager} blocks"], textposition="middle left",
+                    name="the seed (Gemma-2B, PR 7796)", row=2, col=1,
+                    hovertemplate="the seed at %{x} tokens: %{y:.3f}×<extra></extra>")
+    fig.update_xaxes(type="log", row=1, col=1)
+    fig.update_xaxes(type="log", title_text="max_num_batched_tokens (profiled tokens)", row=2,
+                     col=1)
+    fig.update_yaxes(title_text="blocks", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="×", row=2, col=1)
+    fig.update_layout(title="The seed's curve: what profiling eagerly costs the KV cache",
+                      height=620)
+    return fig

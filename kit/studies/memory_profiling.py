@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import ModelConfig, Settings, parse_bytes, reference
-from kit.engine.kv_cache import memory_budget
+from kit.engine.kv_cache import KVCacheSpec, memory_budget
 from kit.engine.model import Decoder, build_model, dummy_batch, weights_bytes
 from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
@@ -83,6 +83,14 @@ def check_fits(settings: Settings) -> None:
             f"but the budget (capacity × gpu_memory_utilization) is {budget / GiB:.2f} GiB: "
             f"{(need - budget) / GiB:.2f} GiB missing. Raise device_memory or "
             "gpu_memory_utilization, or pick a smaller model.")
+
+
+def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dict:
+    """The KV cache each profile leaves, in blocks of `block_size` tokens (chapter 02's unit:
+    vLLM's num_gpu_blocks); none when a profile leaves nothing."""
+    per_block = KVCacheSpec.from_settings(settings).bytes_per_block
+    return {**{name: max(0, p.kv_cache_bytes) // per_block for name, p in profiles.items()},
+            "block_size": settings.block_size, "bytes_per_block": per_block}
 
 
 def no_kv_cache_message(p: MemoryProfile) -> str:
