@@ -36,6 +36,15 @@ def not_ready_run(tmp_path_factory):
     return code, json.loads((folder / "summary.json").read_text()), folder
 
 
+@pytest.fixture(scope="session")
+def chapter02_sweep(tmp_path_factory):
+    """`python -m kit sweep 02 --grid block_size=16,32 --grid kv_cache_dtype=auto,fp8
+    --parallel 2` on a local Ray instance, shared by the sweep and browser tests."""
+    from kit.run.sweep import sweep
+    return sweep("cpu-small", ["02"], ["block_size=16,32", "kv_cache_dtype=auto,fp8"],
+                 parallel=2, out=tmp_path_factory.mktemp("sweeps"), progress=False)
+
+
 @pytest.fixture
 def artifact(request):
     """artifact("name.png") -> a path under ARTIFACTS, listed at the end of the test session."""
@@ -50,7 +59,7 @@ def artifact(request):
 def pytest_collection_modifyitems(items):
     """A test that uses a headless run of notebooks is slow, whatever its module."""
     for item in items:
-        if {"cpu_small_run", "not_ready_run"} & set(getattr(item, "fixturenames", ())):
+        if {"cpu_small_run", "not_ready_run", "chapter02_sweep"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 

@@ -43,6 +43,7 @@ th, td { text-align: left; padding: 4px 10px; border-bottom: 1px solid #e6e9ed; 
 th { background: #f4f6f8; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 code, pre { font: 13px/1.4 ui-monospace, "DejaVu Sans Mono", monospace; }
 pre { background: #f6f8fa; padding: 10px; overflow-x: auto; border-radius: 4px; }
+td pre { white-space: pre-wrap; overflow-wrap: anywhere; max-width: 560px; margin: 0; padding: 4px; }
 .banner { padding: 12px 16px; border-radius: 6px; margin: 12px 0; font-size: 17px; }
 .ok { color: #1a7f37; } .fail { color: #cf222e; font-weight: 600; }
 .banner.ok { background: #dafbe1; } .banner.fail { background: #ffebe9; }

@@ -170,7 +170,7 @@ def record(folder: Path, point: dict, result: dict) -> None:
         error=point_error(result, summary),
         seconds=round(result["ended"] - result["started"], 1),
         started=result["started"], ended=result["ended"], node=result["node"],
-        folder=point["name"] if summary else None,
+        folder=point["name"] if target.is_dir() else None,
         notebooks=[{"notebook": s["notebook"], "ok": s["ok"], "seconds": s["seconds"],
                     "checks_passed": s["checks_passed"], "checks_failed": s["checks_failed"]}
                    for s in (summary or {}).get("notebooks", [])],
@@ -185,17 +185,20 @@ def record_crash(point: dict, error: BaseException, started: float) -> None:
 
 
 def start_ray(address: str | None, parallel: int):
-    """Join the cluster at `address`, or start a local instance with room for `parallel`
-    points; returns the ray module."""
+    """Join the cluster at `address`, or start a local instance of our own (even where a
+    cluster runs on this machine) with room for `parallel` points; returns the ray module."""
     import logging
-
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("Ray is not installed: run ./setup.sh (ray is one of the kit's "
+                          "dependencies)") from None
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
     try:
         if address:
             ray.init(address=address, **quiet)
         else:
-            ray.init(num_cpus=max(parallel, 1), include_dashboard=False, **quiet)
+            ray.init(address="local", num_cpus=max(parallel, 1), include_dashboard=False, **quiet)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = f"the Ray cluster at {address}" if address else "a local Ray instance"
         raise ConfigError(f"could not start or join {where}: {e}") from None
@@ -225,31 +228,28 @@ def execute(folder: Path, sweep: dict, todo: list[dict], address: str | None, pa
     unpacked, recorded in sweep.json and printed."""
     notebooks = {Path(p).name: Path(p).read_text() for p in sweep["notebooks"]}
     ray = start_ray(address, parallel)
-    started_here = not address
+    gpus = ray.cluster_resources().get("GPU", 0)
+    task = ray.remote(run_point).options(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=0)
+    sweep["runs"].append({"address": address or "local", "parallel": parallel,
+                          "nodes": len(ray.nodes()), "gpus": gpus, "started": time.time(),
+                          "ended": None})
+    save(folder, sweep)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    queue, running, t0 = list(todo), {}, time.time()
     try:
-        gpus = ray.cluster_resources().get("GPU", 0)
-        task = ray.remote(run_point).options(num_cpus=1, num_gpus=1 if gpus else 0,
-                                             max_retries=0)
-        sweep["runs"].append({"address": address or "local", "parallel": parallel,
-                              "nodes": len(ray.nodes()), "gpus": gpus,
-                              "started": time.time()})
-        save(folder, sweep)
-        omp = os.environ.get("OMP_NUM_THREADS")
-        queue, running, t0 = list(todo), {}, time.time()
         while queue or running:
             while queue and len(running) < parallel:
                 point = queue.pop(0)
                 point["attempts"] = point.get("attempts", 0) + 1
-                params = {**sweep["fixed"], **point["parameters"]}
-                ref = task.remote(sweep["preset"], notebooks, params, omp)
-                running[ref] = point
                 point["submitted"] = time.time()
+                params = {**sweep["fixed"], **point["parameters"]}
+                running[task.remote(sweep["preset"], notebooks, params, omp)] = point
             ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
             for ref in ready:
                 point = running.pop(ref)
                 try:
                     record(folder, point, ray.get(ref))
-                except ray.exceptions.RayError as e:
+                except ray.exceptions.RayError as e:  # the worker died (out of memory, killed)
                     record_crash(point, e, point["submitted"])
                 save(folder, sweep)
                 print((CLEAR_LINE if animate else "") + point_line(point, len(sweep["points"])),
@@ -261,10 +261,11 @@ def execute(folder: Path, sweep: dict, todo: list[dict], address: str | None, pa
     finally:
         if animate:
             sys.stdout.write(CLEAR_LINE)
-        sweep["runs"][-1]["ended"] = time.time() if sweep["runs"] else None
+        for ref in running:  # interrupted: the points still running stay pending
+            ray.cancel(ref, force=True)
+        sweep["runs"][-1]["ended"] = time.time()
         save(folder, sweep)
-        if started_here:
-            ray.shutdown()
+        ray.shutdown()  # stops the local instance; only disconnects from a cluster
 
 
 def sweep(preset: str = DEFAULT_PRESET, names: list[str] = (), grid_pairs: list[str] = (),
@@ -292,8 +293,11 @@ def sweep(preset: str = DEFAULT_PRESET, names: list[str] = (), grid_pairs: list[
     try:
         if todo:
             execute(folder, sweep_, todo, address, parallel, progress and sys.stdout.isatty())
-    finally:
-        page = write_page(folder)
+    except KeyboardInterrupt:
+        print(f"\nsweep: interrupted; run the rest with python -m kit sweep --resume {folder}")
+        write_page(folder)
+        return 130, folder
+    page = write_page(folder)
     failed = [p for p in sweep_["points"] if p["status"] != "ok"]
     print(f"\nsweep: {len(sweep_['points']) - len(failed)}/{len(sweep_['points'])} points ok"
           + (f"; resume the rest with python -m kit sweep --resume {folder}" if failed else ""))

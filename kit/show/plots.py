@@ -312,9 +312,11 @@ def seed_curve(series: list[tuple[str, list[int], list[int], list[int]]], seed: 
                     text=[f"seed: {compiled} ÷ {eager} blocks"], textposition="middle left",
                     name="the seed (Gemma-2B, PR 7796)", row=2, col=1,
                     hovertemplate="the seed at %{x} tokens: %{y:.3f}×<extra></extra>")
-    fig.update_xaxes(type="log", row=1, col=1)
-    fig.update_xaxes(type="log", title_text="max_num_batched_tokens (profiled tokens)", row=2,
-                     col=1)
+    ticks = sorted({t for _, tokens, _, _ in series for t in tokens}
+                   | {seed["max_num_batched_tokens"]})
+    fig.update_xaxes(type="log", tickvals=ticks, row=1, col=1)
+    fig.update_xaxes(type="log", tickvals=ticks, row=2, col=1,
+                     title_text="max_num_batched_tokens (profiled tokens)")
     fig.update_yaxes(title_text="blocks", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="×", row=2, col=1)
     fig.update_layout(title="The seed's curve: what profiling eagerly costs the KV cache",
