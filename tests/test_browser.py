@@ -259,3 +259,26 @@ def test_report_pages_draw_every_figure_offline(browser, cpu_small_run, not_read
             assert not w.refused, (path.name, w.refused)
         finally:
             w.close()
+
+
+def test_sweep_page_draws_every_figure_offline(browser, chapter02_sweep, artifact):
+    """The sweep page of the 2 × 2 chapter 02 sweep: a figure per number that varies and swept
+    parameter, every one drawn, no network request; a point's link opens its run's report."""
+    _, folder = chapter02_sweep
+    points = json.loads((folder / "sweep.json").read_text())["points"]
+    names = {n for p in points for n in p["results"]}
+    varying = [n for n in names if len({p["results"].get(n) for p in points}) > 1]
+    w = open_offline(browser, folder / "sweep.html", artifact, "sweep.png")
+    try:
+        drawn = figures_drawn(w.page, ".kit-figure")
+        assert len(drawn) == 2 * len(varying) and all(drawn), drawn
+        assert not w.errors and not w.refused, (w.errors, w.refused)
+        w.page.click(f"text={points[0]['name']}")
+        w.page.wait_for_function(
+            "() => [...document.querySelectorAll('.kit-figure')].every(d => d.classList.contains('kit-drawn'))",
+            timeout=30_000)
+        assert w.page.url.endswith(f"{points[0]['name']}/report.html")
+        assert all(figures_drawn(w.page, ".kit-figure"))
+        assert not w.errors and not w.refused, (w.errors, w.refused)
+    finally:
+        w.close()

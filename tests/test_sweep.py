@@ -120,6 +120,9 @@ def test_page_arithmetic_lines_concurrency_and_the_seed_curve(tmp_path):
              (1024, "2GiB"): (21, 22)}
     s = fake_sweep(results, grid_, times)
     assert [at_once(p, s["points"]) for p in s["points"]] == [2, 2, 2, 2]
+    for p, host in zip(s["points"], ["a", "b", "a", "a"]):
+        p["node"] = {"node_id": host * 8, "hostname": host, "ip": "10.0.0.1"}
+    assert [at_once(p, s["points"], same_machine=True) for p in s["points"]] == [1, 1, 2, 2]
     assert at_once({"started": 100, "ended": 101}, s["points"] + [{"started": 100, "ended": 101}]) == 1
     assert list(varying_numbers(s["points"])) == ["01_memory_profiling.kv_blocks.eager",
                                                   "01_memory_profiling.kv_blocks.compiled"]

@@ -29,20 +29,29 @@ def load_sweep(folder) -> dict:
     return json.loads(path.read_text())
 
 
-def at_once(point: dict, points: list[dict]) -> int:
-    """The most points running at the same time while `point` ran (itself included)."""
+def machine(point: dict) -> tuple | None:
+    node = point.get("node")
+    return (node["hostname"], node["ip"]) if node else None
+
+
+def at_once(point: dict, points: list[dict], same_machine: bool = False) -> int:
+    """The most points running at the same time while `point` ran (itself included): in all,
+    or on its machine (where they share cores and memory bandwidth)."""
     def ran(p):
         return p.get("started") is not None and p.get("ended") is not None
     if not ran(point):
         return 0
-    others = [p for p in points if ran(p)]
+    others = [p for p in points if ran(p) and (not same_machine or machine(p) == machine(point))]
     moments = [p["started"] for p in others if point["started"] <= p["started"] < point["ended"]]
     return max(sum(p["started"] <= t < p["ended"] for p in others) for t in moments)
 
 
 def node_label(point: dict) -> str:
     node = point.get("node")
-    return f"{node['node_id'][:8]} ({node['hostname']}, {node['ip']})" if node else "–"
+    if not node:
+        return "–"
+    nice = f", nice {node['niceness']}" if node.get("niceness") else ""
+    return f"{node['node_id'][:8]} ({node['hostname']}, {node['ip']}{nice})"
 
 
 def varying_numbers(points: list[dict]) -> dict[str, list]:
@@ -104,10 +113,11 @@ def points_table(sweep: dict) -> str:
         rows.append([link, *(esc(p["parameters"][n]) for n in names), status,
                      "–" if p.get("seconds") is None else f"{p['seconds']:.1f} s",
                      esc(node_label(p)), str(at_once(p, sweep["points"]) or "–"),
+                     str(at_once(p, sweep["points"], same_machine=True) or "–"),
                      f"<pre>{esc(p['error'])}</pre>" if p.get("error") else ""])
-    head = ["point", *names, "status", "seconds", "node", "at once", "error"]
+    head = ["point", *names, "status", "seconds", "node", "at once", "on its machine", "error"]
     return table(rows, head, row_class=lambda i: "" if points[i]["status"] == "ok" else "fail",
-                 numeric={len(names) + 2, len(names) + 4})
+                 numeric={len(names) + 2, len(names) + 4, len(names) + 5})
 
 
 def how_it_ran(sweep: dict) -> str:
@@ -120,10 +130,12 @@ def how_it_ran(sweep: dict) -> str:
         if p.get("node"):
             nodes.setdefault(node_label(p), []).append(p["name"])
     most = max((at_once(p, sweep["points"]) for p in sweep["points"]), default=0)
+    shared = max((at_once(p, sweep["points"], True) for p in sweep["points"]), default=0)
     return ("<h2>How it ran</h2>"
-            f"<p>At most <b>{most}</b> point{'s' if most != 1 else ''} ran at once. Points that "
-            "share a machine share its cores and memory bandwidth: compare timings only between "
-            "points that ran alone (column <i>at once</i> = 1) or on like nodes.</p>"
+            f"<p>At most <b>{most}</b> point{'s' if most != 1 else ''} ran at once, at most "
+            f"<b>{shared}</b> on one machine. Points that share a machine share its cores and "
+            "memory bandwidth: compare timings only between points that had their machine to "
+            "themselves (column <i>on its machine</i> = 1), on like machines.</p>"
             + table(runs, ["Ray", "--parallel", "nodes", "GPUs", "wall time"])
             + table([[esc(n), str(len(ps)), esc(", ".join(ps))] for n, ps in nodes.items()],
                     ["node", "points", "which"]))
