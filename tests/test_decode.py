@@ -243,3 +243,25 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     assert sum(parts.scaled(0.01).values()) == pytest.approx(0.01)
     assert parts.gemm_bandwidth == pytest.approx(parts.gemm_weight_bytes / parts.gemm_seconds)
     assert list(batch.allocator.lengths.values()) == [n + 3 for n in LENGTHS]  # real steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
+    """Chapter 04's compiled step on the CPU multiplies by weights Inductor prepacked for oneDNN
+    (mkldnn::_linear_pointwise) in both dtypes, never by MKL's packed GEMM (mkl::_mkl_linear),
+    which Inductor picks for float32 when the batch is fixed; and its logits still equal the
+    no-cache reference."""
+    from torch.profiler import profile
+
+    from kit.engine.decode import decode_runner
+    a = ARCHS["gqa"]
+    model, prompts, batch, _ = paged_run(a, dtype)
+    runner = decode_runner(model, batch, prompts, "guard_free")
+    with profile() as prof:
+        batch.step(runner)
+    names = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in names and "mkl::_mkl_linear" not in names, names
+    run = generate(model, batch, prompts, STEPS, step=runner)
+    runner.discard()
+    result = check_against_reference(model, prompts, run, dtype)
+    assert result.ok, result.errors

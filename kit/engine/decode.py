@@ -33,6 +33,11 @@ from kit.measure.timing import StepClock
 # decode batch; the README gives the rates seen). The frozen copy costs one more copy of the
 # weights while the runner lives.
 CPU_FREEZING = {"freezing": True}
+# In float32 Inductor packs for oneDNN only when the batch is a symbol; with a fixed batch it
+# hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
+# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU in
+# float32 the step's batch dimension is marked dynamic: input_ids, positions, block_tables.
+CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (0,)}
 
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
@@ -286,14 +291,17 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
                   strategy: str) -> Runner:
     """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
     running the first step of a fresh run of `batch`, which is left ready for its second step.
-    Shapes are fixed by the batch (nothing marked dynamic); a CUDA graph is captured for
-    exactly this batch size, on the batch's own tensors, so no padded row ever writes. On the
-    CPU, compiled strategies freeze the weights (CPU_FREEZING)."""
+    Shapes are fixed by the batch (nothing marked dynamic) but for float32 on the CPU
+    (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on the batch's
+    own tensors, so no padded row ever writes. On the CPU, compiled strategies freeze the
+    weights (CPU_FREEZING)."""
     device = batch.kv_cache.device.type
+    float32 = next(model.parameters()).dtype == torch.float32
     batch.start(model, prompts)
     batch.make_room()
     runner = make_runner(step_function(model), strategy, device, batch.step_args(),
-                         dynamic_dims={}, capture_sizes=[len(prompts)],
+                         dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
+                         capture_sizes=[len(prompts)],
                          inductor_config=CPU_FREEZING if device == "cpu" else None)
     batch.positions.add_(1)  # the runner's first call was the step at these positions
     return runner
