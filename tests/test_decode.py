@@ -265,3 +265,22 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     runner.discard()
     result = check_against_reference(model, prompts, run, dtype)
     assert result.ok, result.errors
+
+
+def test_recorded_vllm_figures_only_beside_runs_they_match(monkeypatch):
+    """vLLM's recorded CPU step times are shown only where machine kind, dtype and shape are
+    those they were measured with; elsewhere (another CPU, AVX2 emulated, float32, a GPU) none,
+    and the chapter points to chapter 05's live measurement."""
+    from kit.config import reference
+    from kit.studies import decode_timing
+    recorded = reference("vllm_cpu")["machine"]
+    monkeypatch.setattr(decode_timing, "cpu_kind", lambda: dict(recorded))
+    same = kit.load("cpu-real", dtype="bfloat16", device="cpu")
+    assert decode_timing.vllm_cpu_reference(same)["step_ms_compiled"] == 41.5
+    assert decode_timing.vllm_cpu_reference(kit.load("cpu-real", dtype="float32")) is None
+    assert decode_timing.vllm_cpu_reference(kit.load("cpu-real", dtype="bfloat16",
+                                                     batch_size=4)) is None
+    for other in ({"pytorch_kernels": "AVX2", "onednn_max_isa": "AVX2"},
+                  {"avx512_bf16": False}, {"cpu": "Intel(R) Xeon(R) Platinum 8375C"}):
+        monkeypatch.setattr(decode_timing, "cpu_kind", lambda o=other: {**recorded, **o})
+        assert decode_timing.vllm_cpu_reference(same) is None, other

@@ -92,6 +92,14 @@ def cpu_isa() -> dict:
             "onednn_max_isa": onednn, **flags}
 
 
+def cpu_kind() -> dict:
+    """What a recorded CPU figure must share with this machine to be shown beside its runs: the
+    CPU's name and the kernels PyTorch and oneDNN pick (native bf16 or not)."""
+    isa = cpu_isa()
+    return {"cpu": cpu_name(), "pytorch_kernels": isa["pytorch_kernels"],
+            "onednn_max_isa": isa["onednn_max_isa"], "avx512_bf16": isa["avx512_bf16"]}
+
+
 def describe(device: str) -> dict:
     """The machine in a few fields, recorded with every run."""
     info = {"device": device, "cpu": cpu_name(), "cpu_isa": cpu_isa(), "cpu_cores": os.cpu_count(),

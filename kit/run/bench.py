@@ -81,8 +81,11 @@ def bench_decode(args) -> int:
     print(f"copy bandwidth over the run: {bandwidth_line(report.limits)}; the floor uses the median")
     vllm = vllm_cpu_reference(settings)
     if vllm:
-        print(f"vLLM CPU 0.32, same shape (recorded, not run here): {vllm['step_ms_eager']} ms "
-              f"eager, {vllm['step_ms_compiled']} ms compiled per step")
+        print(f"vLLM CPU 0.32 on this machine, dtype and shape (recorded, not run here): "
+              f"{vllm['step_ms_eager']} ms eager, {vllm['step_ms_compiled']} ms compiled per step")
+    elif settings.device == "cpu":
+        print("vLLM CPU: no figure recorded for this machine, dtype and shape; chapter 05 runs "
+              "it beside the kit (python -m kit run 05 with the same -p)")
     print(f"load average before/after: {report.load_average['before'][0]:.1f} / "
           f"{report.load_average['after'][0]:.1f} (a shared machine: timings are noisy)")
     print(f"wrote {out}")

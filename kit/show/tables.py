@@ -333,8 +333,12 @@ def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
                  "end to end s":
                      f"{seed['e2e_latency_s_before']} → {seed['e2e_latency_s_after']}"})
     if vllm:
-        rows.append({"strategy": "vLLM CPU 0.32, this shape (recorded): eager / compiled",
+        rows.append({"strategy": f"vLLM CPU 0.32, this machine, dtype and shape (recorded): "
+                                 "eager / compiled",
                      "median step ms": f"{vllm['step_ms_eager']} / {vllm['step_ms_compiled']}"})
+    elif report.settings.device == "cpu":
+        rows.append({"strategy": "vLLM CPU: no figure recorded for this machine, dtype and "
+                                 "shape; chapter 05 runs vLLM beside the kit"})
     return Table(rows)
 
 

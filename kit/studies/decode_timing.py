@@ -27,7 +27,7 @@ from kit.engine.decode import (Correctness, PagedBatch, check_against_reference,
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
 from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
 from kit.errors import ConfigError
-from kit.measure.device import capacity_bytes, describe, synchronize, versions
+from kit.measure.device import capacity_bytes, cpu_kind, describe, synchronize, versions
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, fmt_flops,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth, matmul_throughput
@@ -414,10 +414,15 @@ def check_mixed_lengths(settings: Settings, model: Decoder,
 
 
 def vllm_cpu_reference(settings: Settings) -> dict | None:
-    """vLLM CPU's recorded step times for this model, batch and input length, if any."""
-    return next((r for r in reference("vllm_cpu")["runs"] if r["model"] == settings.arch.name
-                 and r["batch_size"] == settings.batch_size
-                 and r["input_len"] == settings.input_len and settings.device == "cpu"), None)
+    """vLLM CPU's recorded step times, only where they were measured on this kind of machine
+    (`cpu_kind`: the CPU, the kernels PyTorch and oneDNN pick) for this model, dtype, batch and
+    input length; else None, and chapter 05 measures vLLM live beside the kit."""
+    recorded = reference("vllm_cpu")
+    if settings.device != "cpu" or recorded["machine"] != cpu_kind():
+        return None
+    return next((r for r in recorded["runs"] if r["model"] == settings.arch.name
+                 and r["dtype"] == settings.dtype and r["batch_size"] == settings.batch_size
+                 and r["input_len"] == settings.input_len), None)
 
 
 def seed_ratios(timings: dict[str, StrategyTiming]) -> dict:
