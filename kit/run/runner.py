@@ -79,10 +79,11 @@ def validate(preset: str, notebooks: list[Path], params: dict) -> dict[Path, set
     return declared
 
 
-def new_run_dir(root: Path, preset: str) -> Path:
+def new_run_dir(root: Path, preset: str, prefix: str = "") -> Path:
+    """A new folder `<prefix><stamp>-<preset>` under `root` (a number added if taken)."""
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     for i in range(1000):
-        path = root / f"{stamp}-{preset}" if i == 0 else root / f"{stamp}-{preset}-{i}"
+        path = root / (f"{prefix}{stamp}-{preset}" + (f"-{i}" if i else ""))
         try:
             path.mkdir(parents=True)
             return path

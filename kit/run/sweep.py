@@ -16,7 +16,6 @@ the points that failed or are missing. `sweep.json` is rewritten after every poi
 """
 from __future__ import annotations
 
-import datetime as dt
 import io
 import json
 import os
@@ -28,12 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names
+from kit.config import DEFAULT_PRESET, PRESETS_DIR, known_names
 from kit.errors import ConfigError
 from kit.run import grid as grids
 from kit.run.progress import CLEAR_LINE, fit
 from kit.run.report import flatten, is_number
-from kit.run.runner import describe_failure, find_notebooks, parse_params
+from kit.run.runner import (describe_failure, find_notebooks, kernel_env, new_run_dir,
+                            parse_params)
 from kit.run.sweep_page import SWEEP_FILE, load_sweep, write_page
 
 POINT_LOG = "sweep-point.log"  # the point's `python -m kit run` output, in its run folder
@@ -54,8 +54,7 @@ def point_env(omp_num_threads: str | None) -> dict:
     """The point's environment: the worker's, with this kit first on PYTHONPATH and the thread
     count a plain `python -m kit run` would use (Ray sets OMP_NUM_THREADS to the task's one CPU;
     the driver's own setting, if any, is kept)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(DATA.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = kernel_env()
     env.pop("OMP_NUM_THREADS", None)
     if omp_num_threads:
         env["OMP_NUM_THREADS"] = omp_num_threads
@@ -96,18 +95,6 @@ def run_point(preset: str, notebooks: dict[str, str], params: dict,
 
 
 # ---------------------------------------------------------------- on the driver
-
-def new_sweep_dir(root: Path, preset: str) -> Path:
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        path = root / (f"sweep-{stamp}-{preset}" + (f"-{i}" if i else ""))
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a new sweep folder under {root}")
-
 
 def plan(preset: str, names: list[str], grid_pairs: list[str], param_pairs: list[str],
          max_points: int, yes: bool, remote: bool) -> dict:
@@ -286,7 +273,7 @@ def sweep(preset: str = DEFAULT_PRESET, names: list[str] = (), grid_pairs: list[
     else:
         sweep_ = plan(preset, list(names), list(grid_pairs), list(param_pairs), max_points, yes,
                       remote=bool(address))
-        folder = new_sweep_dir(Path(out or Path.cwd() / "runs"), preset)
+        folder = new_run_dir(Path(out or Path.cwd() / "runs"), preset, prefix="sweep-")
         save(folder, sweep_)
     todo = [p for p in sweep_["points"]
             if p["status"] != "ok" or not (folder / (p.get("folder") or p["name"])).is_dir()]
