@@ -85,6 +85,7 @@ def test_the_command_refuses_before_ray_starts(tmp_path, capsys):
              (["02", "--grid", "block_size=16,32", "-p", "gpu_memory_utilization=2"],
               "must be in (0, 1]"),
              (["02"], "the grid is empty"),
+             (["02", "--preset", "nope", "--grid", "block_size=16"], "unknown preset 'nope'"),
              (["02", "--grid", "block_size=16,32", "--max-points", "1"], "add --yes"),
              (["02", "--grid", "block_size=16", "--parallel", "0"], "--parallel 0"),
              (["--resume", str(tmp_path)], "is not a sweep folder")]

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kit.config import DEFAULT_PRESET, PRESETS_DIR, known_names
+from kit.config import DEFAULT_PRESET, PRESETS_DIR, known_names, read_preset
 from kit.errors import ConfigError
 from kit.run import grid as grids
 from kit.run.progress import CLEAR_LINE, fit
@@ -100,8 +100,7 @@ def plan(preset: str, names: list[str], grid_pairs: list[str], param_pairs: list
          max_points: int, yes: bool, remote: bool) -> dict:
     """The sweep as sweep.json holds it, every point pending; refuses a bad grid (ConfigError)
     before anything starts."""
-    if preset not in known_names(PRESETS_DIR):
-        raise ConfigError(f"unknown preset {preset!r}: one of {known_names(PRESETS_DIR)}")
+    read_preset(preset)  # an unknown preset refused first, as the runner's validation does
     notebooks = find_notebooks(names)
     grid, fixed = grids.parse_grid(grid_pairs), parse_params(param_pairs)
     points = grids.check(preset, notebooks, grid, fixed, max_points, yes, remote)
