@@ -1,6 +1,8 @@
 """Chapter 04: paged decode against the no-cache reference, the roofline arithmetic, bad input."""
 import json
+import os
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +244,11 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     assert parts.gemm_seconds + parts.sampling_seconds <= parts.profiled_seconds
     assert sum(parts.scaled(0.01).values()) == pytest.approx(0.01)
     assert parts.gemm_bandwidth == pytest.approx(parts.gemm_weight_bytes / parts.gemm_seconds)
+    # at the profiled step's own length the scaled rate is the raw one; a faster (unprofiled)
+    # step of the same shares gives a proportionally higher rate
+    assert parts.gemm_bandwidth_at(parts.profiled_seconds) == pytest.approx(parts.gemm_bandwidth)
+    assert parts.gemm_bandwidth_at(parts.profiled_seconds / 2) == pytest.approx(
+        2 * parts.gemm_bandwidth)
     assert list(batch.allocator.lengths.values()) == [n + 3 for n in LENGTHS]  # real steps
 
 
@@ -265,6 +272,65 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     runner.discard()
     result = check_against_reference(model, prompts, run, dtype)
     assert result.ok, result.errors
+
+
+def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
+    """The CPU's compiled prefill (guard-free, weights frozen, the prompts' number and length
+    dynamic), built on the batch's first group of prompts, serves the groups of the other
+    lengths without compiling again (a recompile would be an error), and a run through it
+    equals the no-cache reference at the prefill and at every step."""
+    from kit.engine.decode import decode_runner, prefill_runner
+    a = ARCHS["gqa"]
+    model, prompts, batch, _ = paged_run(a, "float32")
+    prefill = prefill_runner(model, batch, prompts)
+    runner = decode_runner(model, batch, prompts, "guard_free", prefill)
+    run = generate(model, batch, prompts, STEPS, step=runner, prefill=prefill)
+    assert len(set(LENGTHS)) == 4 and prefill.graphs_compiled == 1
+    result = check_against_reference(model, prompts, run, "float32")
+    assert result.ok and result.errors[0] < 1e-4, result.errors
+
+
+EMULATED_AVX2 = """
+import json, torch
+from tests.test_decode import ARCHS, STEPS, paged_run
+from torch.profiler import profile
+from kit.engine.decode import (check_against_reference, compiled_matmul_dtype, decode_runner,
+                               generate)
+model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
+runner = decode_runner(model, batch, prompts, "guard_free")
+with profile() as prof:
+    batch.step(runner)
+run = generate(model, batch, prompts, STEPS, step=runner)
+print(json.dumps({"matmul_dtype": str(compiled_matmul_dtype(model, "cpu")),
+                  "events": sorted({e.key for e in prof.key_averages()}),
+                  "ok": check_against_reference(model, prompts, run, "bfloat16").ok}))
+"""
+
+
+def test_without_onednn_bf16_kernels_compiled_code_multiplies_in_float32():
+    """Where oneDNN has no bf16 kernels (an AVX2-only x86, emulated here with
+    ONEDNN_MAX_CPU_ISA=AVX2), a bf16 product is emulated several times slower than a float32
+    one, and Inductor cannot prepack bf16 weights: the decode runner multiplies in float32
+    (weights converted once, frozen, prepacked for oneDNN: mkldnn::_linear_pointwise runs) and
+    its logits equal the no-cache reference within bf16's tolerance. The model's own dtype
+    everywhere else."""
+    import subprocess
+    import sys
+    from kit.engine.decode import compiled_matmul_dtype
+    from kit.measure.device import onednn_has_kernels
+    assert compiled_matmul_dtype(build_model(ARCHS["gqa"], "float32", "cpu"), "cpu") is None
+    bf16 = build_model(ARCHS["gqa"], "bfloat16", "cpu")
+    assert compiled_matmul_dtype(bf16, "cpu") == (None if onednn_has_kernels(torch.bfloat16)
+                                                  else torch.float32)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "PYTHONPATH": str(Path(__file__).parent.parent)}
+    out = subprocess.run([sys.executable, "-c", EMULATED_AVX2], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["matmul_dtype"] == "torch.float32"
+    assert "mkldnn::_linear_pointwise" in result["events"], result["events"]
+    assert result["ok"]
 
 
 def test_recorded_vllm_figures_only_beside_runs_they_match(monkeypatch):

@@ -9,6 +9,7 @@
 - A model vLLM cannot run gives a message, not a traceback, and an engine starts after it.
 """
 import json
+import statistics
 import subprocess
 import sys
 
@@ -105,6 +106,11 @@ def test_the_tiny_engine_decodes(engines):
     # every repeat's decode steps: output_len - 1 each (the first token comes from the prefill)
     assert len(run.decode_step_seconds) >= 2 * (settings.output_len - 1)
     assert all(s > 0 for s in run.decode_step_seconds)
+    assert len(run.prefill_seconds) == len(run.generation_seconds) >= 2
+    assert all(0 < p < g for p, g in zip(run.prefill_seconds, run.generation_seconds))
+    # end to end is the prefill and the decode steps, nothing left out or counted twice
+    total = sum(run.prefill_seconds) + sum(run.decode_step_seconds)
+    assert abs(total - sum(run.generation_seconds)) < 1e-9 * len(run.decode_step_seconds) + 1e-9
 
 
 def test_without_vllm_the_bridge_says_so():
@@ -122,14 +128,27 @@ def test_without_vllm_the_bridge_says_so():
     assert lines[1] == lines[0] == lines[2]
 
 
-def test_the_kits_decode_plugs_in():
-    """The kit's side of the decode comparison: chapter 04's timing, same batch shape."""
-    from kit.studies.vllm_side_by_side import kit_decode_steps
+def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
+    """The kit's side of the comparison: chapter 04's paged decode, one whole generation per
+    turn (the first checked against the no-cache reference); with no engine taking turns,
+    `stop` times them alone."""
+    from kit.studies.vllm_side_by_side import KitTurns
     settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
-    (eager,) = kit_decode_steps(settings, ("eager",), decode_steps=8).values()
+    turns = KitTurns(settings)
+    eager = turns.start("eager")
+    turns.turn()
+    turns.stop(turns_alone=1)
     assert eager.strategy == "eager" and eager.error is None
     assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
     assert all(s > 0 for s in eager.step_seconds)
+    assert len(eager.prefills) == len(eager.generations) == 2
+    assert 0 < eager.prefill_seconds < eager.end_to_end_seconds
+    assert sum(eager.generations) == pytest.approx(sum(eager.prefills) + sum(eager.step_seconds))
+    compiled = turns.start("compiled")
+    turns.stop(turns_alone=1)
+    turns.close()
+    assert compiled.strategy == "guard_free" and compiled.error is None
+    assert compiled.compile_seconds > 0 and len(compiled.step_seconds) == 4
 
 
 def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
@@ -191,3 +210,36 @@ def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
     rows = texts(comparison)
     assert [r["seq"] for r in rows] == [0, 1]
     assert all(r["kit"] == r["vLLM"] and len(r["kit"].split()) == 6 for r in rows)
+
+
+def test_bench_vllm_times_both_sides_per_step_and_end_to_end(tmp_path, capsys):
+    """`python -m kit bench vllm`: the kit and vLLM, eager and compiled, per decode step and end
+    to end, in one folder (result.json, each engine's log); the ratios are the medians'."""
+    from kit.run.cli import main
+    out = tmp_path / "bench"
+    rc = main(["bench", "vllm", "-p", "batch_size=2", "-p", "input_len=16", "-p", "output_len=5",
+               "-p", "kv_cache_memory_bytes=64MiB", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads((out / "result.json").read_text())
+    assert [r["mode"] for r in result["decode"]] == ["eager", "compiled"]
+    assert [r["kit strategy"] for r in result["end_to_end"]] == ["eager", "guard_free"]
+    for mode in ("eager", "compiled"):
+        kit_side, vllm_side = result["kit"][mode], result["vllm"][mode]
+        assert kit_side["error"] is None and vllm_side["ok"]
+        assert 0 < kit_side["prefill_seconds"] < kit_side["end_to_end_seconds"]
+        assert 0 < vllm_side["prefill_median"] < vllm_side["end_to_end_median"]
+        # in turns: one kit generation after each of vLLM's, its warm-up's included
+        assert len(kit_side["generations"]) == len(vllm_side["generation_seconds"]) + 1
+        assert (out / f"vllm-tiny-{mode}.log").read_text().strip()
+    kit_best = min(statistics.median(k["step_seconds"]) for k in result["kit"].values())
+    vllm_best = min(v["decode_step_median"] for v in result["vllm"].values())
+    assert result["best_step_ratio"] == pytest.approx(kit_best / vllm_best)
+    assert "kit's best ÷ vLLM's best, end to end" in printed
+
+
+def test_bench_vllm_refuses_a_run_without_a_kv_budget_before_any_work(tmp_path, capsys):
+    from kit.run.cli import main
+    rc = main(["bench", "vllm", "-p", "kv_cache_memory_bytes=None", "--out", str(tmp_path / "b")])
+    assert rc == 2 and "kv_cache_memory_bytes" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

@@ -25,7 +25,7 @@ from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import AttentionMetadata, Decoder
 from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
-from kit.measure.device import synchronize
+from kit.measure.device import onednn_has_kernels, synchronize
 from kit.measure.timing import StepClock
 
 # On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
@@ -35,9 +35,23 @@ from kit.measure.timing import StepClock
 CPU_FREEZING = {"freezing": True}
 # In float32 Inductor packs for oneDNN only when the batch is a symbol; with a fixed batch it
 # hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
-# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU in
-# float32 the step's batch dimension is marked dynamic: input_ids, positions, block_tables.
+# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU,
+# where the products run in float32, the step's batch dimension is marked dynamic: input_ids,
+# positions, block_tables.
 CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (0,)}
+# The compiled prefill (CPU) serves every group of equal-length prompts: the number of prompts
+# and their length are symbols (input_ids' dimensions 0 and 1, slot_mapping's 0).
+PREFILL_DYNAMIC = {0: (0, 1), 1: (0,)}
+
+
+def compiled_matmul_dtype(model: Decoder, device: str) -> torch.dtype | None:
+    """The dtype the compiled runners multiply the weights in (`Decoder.multiply_in`): float32
+    for 16-bit weights on a CPU whose oneDNN has no kernels for them (`onednn_has_kernels`),
+    where a 16-bit product is emulated; None (the weights' own) everywhere else."""
+    dtype = next(model.parameters()).dtype
+    if device == "cpu" and dtype != torch.float32 and not onednn_has_kernels(dtype):
+        return torch.float32
+    return None
 
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
@@ -108,19 +122,20 @@ class PagedBatch:
         return (self.input_ids, self.positions, self.block_tables, self.kv_cache)
 
     @torch.no_grad()
-    def start(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
-        """A fresh run: every block free, the prompts prefilled into the cache, each one's first
+    def start(self, model: Decoder, prompts: list[torch.Tensor], prefill=None) -> torch.Tensor:
+        """A fresh run: every block free, the prompts prefilled into the cache (through
+        `prefill`, a runner of `prefill_function(model)`; eagerly by default), each one's first
         new token (greedy) ready as the next input. Returns the prefill's logits."""
         self.allocator = BlockAllocator(self.kv_cache.shape[2], self.block_size)
         self.block_tables.zero_()  # padding entries: block 0 will do, the mask hides them
         self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
-        logits = self.prefill(model, prompts)
+        logits = self.prefill(prompts, prefill or prefill_function(model))
         self.input_ids.copy_(greedy(logits))
         return logits
 
-    def prefill(self, model: Decoder, prompts: list[torch.Tensor]) -> torch.Tensor:
+    def prefill(self, prompts: list[torch.Tensor], forward) -> torch.Tensor:
         """Write every prompt's keys and values to the cache; return the logits of each
-        prompt's last token [num_seqs, vocab]. Prompts of equal length go in one forward."""
+        prompt's last token [num_seqs, vocab]. Prompts of equal length go in one `forward`."""
         device = self.kv_cache.device
         logits = [None] * len(prompts)
         for length in sorted(set(self.lengths)):
@@ -130,9 +145,8 @@ class PagedBatch:
                 table = self.allocator.allocate(i, length)
                 self.block_tables[i, :len(table)] = torch.tensor(table)
                 slots += [self.allocator.slot(i, p) for p in range(length)]
-            meta = AttentionMetadata(self.kv_cache, torch.tensor(slots, device=device))
             ids = torch.stack([prompts[i] for i in seqs]).to(device)
-            last = model.compute_logits(model(ids, meta)[:, -1])
+            last = forward(ids, torch.tensor(slots, device=device), self.kv_cache)
             for row, i in enumerate(seqs):
                 logits[i] = last[row]
         return torch.stack(logits)
@@ -166,6 +180,16 @@ def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache) ->
     return model.compute_logits(model.decode(input_ids, positions, meta))
 
 
+def prefill_function(model: Decoder):
+    """The prefill as a function of tensors (what a strategy compiles): prompts' ids
+    [num_seqs, len] and their slots [num_seqs * len] in, the keys and values written to
+    `kv_cache`, the logits of each prompt's last token [num_seqs, vocab] out."""
+    def prefill(input_ids, slot_mapping, kv_cache):
+        hidden = model(input_ids, AttentionMetadata(kv_cache, slot_mapping))
+        return model.compute_logits(hidden[:, -1])
+    return prefill
+
+
 def step_function(model: Decoder):
     """`decode_step` bound to `model`: the function a strategy compiles (tensors in, logits out)."""
     def step(input_ids, positions, block_tables, kv_cache):
@@ -188,8 +212,9 @@ class Generation:
 
 @torch.no_grad()
 def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
-             step=None, keep_logits: bool = True) -> Generation:
-    """Prefill `prompts` into `batch`'s cache, then `steps` greedy decode steps through `step`
+             step=None, keep_logits: bool = True, prefill=None) -> Generation:
+    """Prefill `prompts` into `batch`'s cache (through `prefill`, a runner of
+    `prefill_function`; eagerly by default), then `steps` greedy decode steps through `step`
     (the eager step function by default, or a strategy's runner of it), each one timed. A
     step's time covers its bookkeeping (new blocks), the step and sampling, as an engine's does;
     copying out its tokens and logits for the correctness check comes after the clock."""
@@ -197,7 +222,7 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
     step = step or step_function(model)
     synchronize(device)
     t0 = time.perf_counter()
-    first = batch.start(model, prompts)
+    first = batch.start(model, prompts, prefill)
     synchronize(device)
     prefill_seconds = time.perf_counter() - t0
     tokens, logits = [batch.input_ids.clone()], [first] if keep_logits else None
@@ -288,16 +313,20 @@ def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = Fals
 
 @torch.no_grad()
 def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
-                  strategy: str) -> Runner:
+                  strategy: str, prefill=None) -> Runner:
     """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
-    running the first step of a fresh run of `batch`, which is left ready for its second step.
-    Shapes are fixed by the batch (nothing marked dynamic) but for float32 on the CPU
-    (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on the batch's
-    own tensors, so no padded row ever writes. On the CPU, compiled strategies freeze the
-    weights (CPU_FREEZING)."""
+    running the first step of a fresh run of `batch` (prefilled through `prefill`, eagerly by
+    default), which is left ready for its second step.
+    Shapes are fixed by the batch (nothing marked dynamic) but on the CPU when the products run
+    in float32 (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on
+    the batch's own tensors, so no padded row ever writes. On the CPU, compiled strategies
+    freeze the weights (CPU_FREEZING), in float32 where 16-bit products are emulated
+    (`compiled_matmul_dtype`)."""
     device = batch.kv_cache.device.type
-    float32 = next(model.parameters()).dtype == torch.float32
-    batch.start(model, prompts)
+    matmul_dtype = compiled_matmul_dtype(model, device)
+    model.multiply_in(matmul_dtype)
+    float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
+    batch.start(model, prompts, prefill)
     batch.make_room()
     runner = make_runner(step_function(model), strategy, device, batch.step_args(),
                          dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
@@ -305,3 +334,20 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
                          inductor_config=CPU_FREEZING if device == "cpu" else None)
     batch.positions.add_(1)  # the runner's first call was the step at these positions
     return runner
+
+
+@torch.no_grad()
+def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]) -> Runner | None:
+    """The prefill compiled for the CPU (None elsewhere: it stays eager), guard-free with the
+    prompts' number and length dynamic (PREFILL_DYNAMIC) and the weights frozen, as the decode
+    step's are: one graph serves every group of equal-length prompts. Built on the batch's
+    first group, written at any slots (a run's `start` resets the cache's bookkeeping)."""
+    device = batch.kv_cache.device.type
+    if device != "cpu":
+        return None
+    model.multiply_in(compiled_matmul_dtype(model, device))
+    ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
+    slots = torch.arange(ids.numel(), device=device)
+    return make_runner(prefill_function(model), "guard_free", device,
+                       (ids.to(device), slots, batch.kv_cache), dynamic_dims=PREFILL_DYNAMIC,
+                       inductor_config=CPU_FREEZING)

@@ -70,6 +70,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, matmul_dtype=None) -> torch.Tensor:
+    """`F.linear`; in code being compiled with `matmul_dtype` given (`Decoder.multiply_in`),
+    the product runs in that dtype and the result comes back in x's. With frozen weights the
+    conversion folds into the constants, done once (eager code never converts: it would copy
+    every weight on every call)."""
+    if matmul_dtype is None or matmul_dtype == weight.dtype or not torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(matmul_dtype), weight.to(matmul_dtype),
+                    None if bias is None else bias.to(matmul_dtype)).to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` through `linear`: compiled, its product may run in `matmul_dtype`."""
+
+    matmul_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.matmul_dtype)
+
+
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
@@ -168,8 +188,8 @@ class Attention(nn.Module):
         self.split = (q, kv, kv)
         # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
         # layer instead of three, which streams the weights faster at a decode batch.
-        self.qkv_proj = nn.Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(q, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
+        self.o_proj = Linear(q, arch.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         tokens = x.shape[0]
@@ -202,8 +222,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelConfig):
         super().__init__()
         # The gate and up projections in one matrix (vLLM's MergedColumnParallelLinear).
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gelu = arch.hidden_act != "silu"
         # "gelu" is the exact (erf) GELU in transformers; the others are the tanh approximation
         self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"
@@ -238,7 +258,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norm)
         self.lm_head = None if arch.tie_word_embeddings else \
-            nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -273,7 +293,21 @@ class Decoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+
+    matmul_dtype: torch.dtype | None = None
+
+    def multiply_in(self, dtype: torch.dtype | None) -> None:
+        """Compiled code runs every product with the weights in `dtype` (None: the weights'
+        own). On a CPU whose oneDNN has no bf16 kernels (x86 without AVX-512), a bf16 product
+        is emulated several times slower than a float32 one: there the decode runners
+        multiply 16-bit weights in float32 (`kit.engine.decode.compiled_matmul_dtype`); the
+        products of 16-bit numbers are exact in float32, so only the result's rounding to
+        the model's dtype remains, as in a native 16-bit product. Eager code is unchanged."""
+        self.matmul_dtype = dtype
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul_dtype = dtype
 
 
 @torch.no_grad()

@@ -89,7 +89,19 @@ def cpu_isa() -> dict:
         flags.update(arm_bf16="bf16" in features, sve="sve" in features)
     onednn = next((os.environ[k] for k in ONEDNN_ISA_ENV if os.environ.get(k)), None)
     return {"arch": platform.machine(), "pytorch_kernels": torch.backends.cpu.get_cpu_capability(),
-            "onednn_max_isa": onednn, **flags}
+            "onednn_max_isa": onednn, "onednn_bf16": onednn_has_kernels(torch.bfloat16), **flags}
+
+
+def onednn_has_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs `dtype`'s products with kernels of its own on this CPU (as it
+    reports, any ONEDNN_MAX_CPU_ISA cap included): 16-bit ones need AVX-512 (or AVX-NE-CONVERT)
+    on x86. Inductor prepacks 16-bit weights for oneDNN only then, and vLLM's CPU backend falls
+    back to plain `F.linear` without them."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
 def cpu_kind() -> dict:

@@ -6,9 +6,9 @@ matrix products read every weight once per step, so their time alone gives the r
 the device's matrix library streams weights at this batch size: the ceiling for any strategy
 built on that library (the README gives the rates seen).
 
-The profiled steps are extra steps, run after the timed ones; profiling slows a step a little,
-so the parts are reported as shares of the profiled step and as milliseconds scaled to the
-timed median.
+The profiled steps are extra steps, run after the timed ones; profiling slows a step (each
+oneDNN call by about a third on the CPU here), so the parts are reported as shares of the
+profiled step and as milliseconds scaled to the timed median, and so is the matmuls' rate.
 """
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ class StepBreakdown:
         """Bytes per second the weight matmuls stream the weights at (None if none seen:
         a CUDA graph replays its kernels out of the profiler's sight)."""
         return self.gemm_weight_bytes / self.gemm_seconds if self.gemm_seconds else None
+
+    def gemm_bandwidth_at(self, step_seconds: float) -> float | None:
+        """The same rate with the matmuls' share of the profiled step applied to an unprofiled
+        step of `step_seconds` (the timed median): the profiler's own cost, which slowed each
+        oneDNN call by about a third here, taken out with the rest of the step's."""
+        share = self.shares()["weight matmuls"]
+        return self.gemm_weight_bytes / (share * step_seconds) if self.gemm_seconds else None
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "steps": self.steps, "device": self.device,

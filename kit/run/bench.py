@@ -1,8 +1,8 @@
-"""The benchmarks, `python -m kit bench compile|decode|suite`: chapter 03's and chapter 04's
-measurements without a notebook, printed and written as JSON, and the whole suite timed through
-the runner (kit/run/suite.py). Speed targets live here and in suite.py, reported, never asserted
-in tests. The studies are imported when a benchmark runs, so the other commands start without
-torch.
+"""The benchmarks, `python -m kit bench compile|decode|suite|vllm`: chapter 03's and chapter
+04's measurements without a notebook, printed and written as JSON, the whole suite timed through
+the runner (kit/run/suite.py), and chapter 05's decode beside vLLM (kit/run/bench_vllm.py).
+Speed targets live here and in those modules, reported, never asserted in tests. The studies
+are imported when a benchmark runs, so the other commands start without torch.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from kit.config import DATA, DEFAULT_PRESET, load
 from kit.measure.roofline import fmt_flops
 from kit.run.runner import parse_params
+from kit.run.bench_vllm import add_vllm_cli
 from kit.run.suite import add_suite_cli
 
 
@@ -38,6 +39,7 @@ def add_cli(sub) -> None:
                    help="JSON file to write (default: runs/bench/decode-<time>-<preset>.json)")
     p.set_defaults(func=bench_decode)
     add_suite_cli(benchmarks, _common)
+    add_vllm_cli(benchmarks, _common)
 
 
 def _common(p) -> None:

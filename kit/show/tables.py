@@ -274,12 +274,13 @@ def compile_seed_table(comparison, ratios: dict, seed: dict) -> Table:
 
 # --- chapter 04 -------------------------------------------------------------------------------
 
-def matmul_cell(breakdown) -> str:
-    """The weight matmuls' share of a profiled step and the rate they stream weights at."""
+def matmul_cell(breakdown, step_seconds: float) -> str:
+    """The weight matmuls' share of a profiled step and the rate they stream weights at in a
+    step of `step_seconds` (the timed median)."""
     if breakdown is None or breakdown.gemm_bandwidth is None:
         return "n/a"
     share = breakdown.shares()["weight matmuls"]
-    return f"{share:.0%}, {breakdown.gemm_bandwidth / 1e9:,.1f}"
+    return f"{share:.0%}, {breakdown.gemm_bandwidth_at(step_seconds) / 1e9:,.1f}"
 
 
 def bandwidth_line(limits) -> str:
@@ -295,11 +296,12 @@ def decode_table(report) -> Table:
              "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
              "median ms": f"{t.median * 1e3:.2f}",
              "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
+             "prefill s": f"{t.prefill_seconds:.3f} ({t.prefill})",
              "end to end s": f"{t.end_to_end_seconds:.3f}",
              "tokens/s": f"{t.tokens_per_second:,.0f}",
              "% of floor": f"{t.percent_of_floor:.0f}%",
              "max logit error": f"{t.correctness.max_error:.1e}",
-             "weight matmuls: share, GB/s": matmul_cell(t.breakdown)}
+             "weight matmuls: share, GB/s": matmul_cell(t.breakdown, t.median)}
             for t in report.timings.values()]
     s = report.settings
     return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
@@ -324,6 +326,7 @@ def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
     rows = [{"strategy": n, "warm-up s (compile included)": f"{t.warmup_seconds:.2f}",
              "prefill ms": f"{t.prefill_seconds * 1e3:.1f}",
              "median step ms": f"{t.median * 1e3:.2f}",
+             "prefill s": f"{t.prefill_seconds:.3f} ({t.prefill})",
              "end to end s": f"{t.end_to_end_seconds:.3f}",
              "tokens/s": f"{t.tokens_per_second:,.0f}"}
             for n, t in report.timings.items()]
@@ -357,7 +360,7 @@ def step_parts_table(report) -> Table:
     """Each strategy's median step split by its profile, with the rate the weight matmuls
     stream the weights at beside the copy bandwidth."""
     def row(name, t):
-        bw = t.breakdown.gemm_bandwidth
+        bw = t.breakdown.gemm_bandwidth_at(t.median)
         return {"strategy": name, "median step ms": f"{t.median * 1e3:.2f}",
                 **{f"{part} ms": f"{seconds * 1e3:.2f}"
                    for part, seconds in t.breakdown.scaled(t.median).items()},

@@ -23,7 +23,7 @@ import torch
 from kit.config import Settings, reference
 from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
                                decode_inputs, decode_runner, generate, kv_cache_for,
-                               prompt_lengths)
+                               prefill_runner, prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
 from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
 from kit.errors import ConfigError
@@ -52,6 +52,7 @@ class StrategyTiming:
     warmup_seconds: float = 0.0    # the whole warm-up run: its prefill, steps and compilation
     graphs_compiled: int = 0       # Inductor graphs behind the runner: 1 means no recompile
     guards: int = 0                # guards Dynamo evaluates on each call of the served code
+    prefill: str = "eager"         # how its prefill ran: "eager" or "compiled" (the CPU's)
     runs: list[list[float]] = field(default_factory=list)   # [run][step] seconds
     prefills: list[float] = field(default_factory=list)     # [run] seconds
     correctness: Correctness | None = None                  # of the first timed run
@@ -109,7 +110,8 @@ class StrategyTiming:
                                                               self.step_seconds))
 
     def summary(self) -> dict:
-        return {"strategy": self.strategy, "compile_seconds": self.compile_seconds,
+        return {"strategy": self.strategy, "prefill": self.prefill,
+                "compile_seconds": self.compile_seconds,
                 "warmup_seconds": self.warmup_seconds, "graphs_compiled": self.graphs_compiled,
                 "guards": self.guards, "prefill_seconds": self.prefill_seconds,
                 "median_step_seconds": self.median, "p10_step_seconds": self.p10,
@@ -125,12 +127,13 @@ class StrategyTiming:
 
 @torch.no_grad()
 def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
-            strategy: str, warmup_steps: int = 2):
-    """A throw-away run that builds `strategy`'s runner of the step (compiling, or capturing a
-    CUDA graph) and runs a few steps; returns the runner and the run's seconds."""
+            strategy: str, prefill=None, warmup_steps: int = 2):
+    """A throw-away run (prefilled through `prefill`, eagerly by default) that builds
+    `strategy`'s runner of the step (compiling, or capturing a CUDA graph) and runs a few
+    steps; returns the runner and the run's seconds."""
     device = batch.kv_cache.device.type
     t0 = time.perf_counter()
-    runner = decode_runner(model, batch, prompts, strategy)
+    runner = decode_runner(model, batch, prompts, strategy, prefill)
     for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
         batch.step(runner)
     synchronize(device)
@@ -145,21 +148,29 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
     whichever ran at the time; `after_round` is called after each round. The first timed run
     of each is checked against the reference; then `profiled_steps` more steps of each are
-    profiled (none: no breakdown)."""
-    runners, timings = {}, {}
+    profiled (none: no breakdown). On the CPU the compiled strategies prefill through one
+    compiled prefill (`prefill_runner`), built before the first of them and shared: the
+    strategies differ in how they run the step, not the prefill."""
+    runners, timings, prefills, compiled_prefill = {}, {}, {}, None
     for i, name in enumerate(strategies, 1):
+        if name != "eager" and compiled_prefill is None and batch.kv_cache.device.type == "cpu":
+            progress("compiling the prefill (shared by the compiled strategies) ...")
+            compiled_prefill = prefill_runner(model, batch, prompts)
+            progress(f"  {compiled_prefill.compile_seconds:.2f} s")
+        prefills[name] = None if name == "eager" else compiled_prefill
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
-        runner, seconds = warm_up(model, batch, prompts, steps, name)
+        runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name])
         runners[name] = runner
         timings[name] = StrategyTiming(name, len(prompts), runner.compile_seconds, seconds,
-                                       runner.graphs_compiled, sum(runner.guards()[:1]))
+                                       runner.graphs_compiled, sum(runner.guards()[:1]),
+                                       "eager" if prefills[name] is None else "compiled")
         progress(f"  first call {runner.compile_seconds:.2f} s, warm-up run {seconds:.2f} s")
     for round_ in range(num_iters):
         progress(f"timed run {round_ + 1}/{num_iters}: "
                  f"{', '.join(strategies)}, {steps} steps each ...")
         for name, runner in runners.items():
             run = generate(model, batch, prompts, steps, step=runner,
-                           keep_logits=round_ == 0)
+                           keep_logits=round_ == 0, prefill=prefills[name])
             timings[name].runs.append(run.step_seconds)
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
@@ -168,16 +179,26 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             after_round()
     if profiled_steps:
         progress("profiling a few steps of each strategy (where the time goes) ...")
-    gemm_bytes = model.arch.linear_weights() * next(model.parameters()).element_size()
     device = batch.kv_cache.device.type
     for name, runner in runners.items():
         if profiled_steps:
-            batch.start(model, prompts)
+            batch.start(model, prompts, prefills[name])
+            weight_bytes = streamed_weight_bytes(model, None if name == "eager"
+                                                 else model.matmul_dtype)
             timings[name].breakdown = profile_steps(lambda r=runner: batch.step(r),
                                                     min(profiled_steps, steps), device, name,
-                                                    gemm_bytes)
+                                                    weight_bytes)
         runner.discard()
+    if compiled_prefill is not None:
+        compiled_prefill.discard()
     return timings
+
+
+def streamed_weight_bytes(model: Decoder, matmul_dtype: torch.dtype | None) -> int:
+    """Bytes the weight matmuls of one step read: every linear weight once, in the dtype the
+    products run in (None: the weights' own; float32 where compiled code upcasts them)."""
+    dtype = matmul_dtype or next(model.parameters()).dtype
+    return model.arch.linear_weights() * torch.empty((), dtype=dtype).element_size()
 
 
 EAGER_SUMMED = "eager_summed"  # the eager step with the attention summed as compiled code does

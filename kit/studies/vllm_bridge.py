@@ -13,8 +13,8 @@ Two ways to ask vLLM:
 
 Decode step time: the batch's requests go into vLLM's engine and each `LLMEngine.step()` (the
 loop `LLM.generate` runs) is timed: greedy, end of sequence ignored, prefix caching off. The
-prefill step(s) are left out; the first generation is a warm-up; the median over every decode
-step of the others is reported. A step holds everything vLLM does per step: scheduling, input
+first generation is a warm-up; of the others, the prefill step(s) are timed apart, the median
+over every decode step is reported, and each whole generation is timed end to end. A step holds everything vLLM does per step: scheduling, input
 preparation, the model, sampling, output processing. (Timing whole generations of n and of 1
 tokens and dividing the difference by n - 1 gives the same on a quiet machine, but on a shared
 one each difference carries the noise of two runs.)
@@ -35,6 +35,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from kit.engine.kv_cache import device_label
 from kit.measure.timing import Timings
@@ -241,6 +242,8 @@ class EngineRun:
     compile_seconds: float | None = None
     memory: dict | None = None  # the profile vLLM computed (GPU; None on the CPU)
     decode_step_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: list[float] = field(default_factory=list)      # per timed generation
+    generation_seconds: list[float] = field(default_factory=list)   # per timed generation
     decode_batch_size: int | None = None
     decode_input_len: int | None = None
     decode_output_len: int | None = None
@@ -262,11 +265,23 @@ class EngineRun:
         """p90 - p10 of the per-step samples, in seconds."""
         return Timings(self.decode_step_seconds).spread if self.decode_step_seconds else None
 
+    @property
+    def end_to_end_median(self) -> float | None:
+        """A whole generation (prefill and every decode step), the median over the timed ones."""
+        from statistics import median
+        return median(self.generation_seconds) if self.generation_seconds else None
+
+    @property
+    def prefill_median(self) -> float | None:
+        from statistics import median
+        return median(self.prefill_seconds) if self.prefill_seconds else None
+
     def summary(self) -> dict:
         """Numbers for `Recorder.record` (the log goes to a file, see `save_log`)."""
         out = {k: v for k, v in asdict(self).items() if k != "log"}
         out.update(ok=self.ok, decode_step_median=self.decode_step_median,
-                   decode_step_spread=self.decode_step_spread)
+                   decode_step_spread=self.decode_step_spread,
+                   prefill_median=self.prefill_median, end_to_end_median=self.end_to_end_median)
         return out
 
     def save_log(self, folder: Path) -> Path:
@@ -392,11 +407,22 @@ def _gpu_memory_profile(core) -> dict | None:
             "kv_cache_budget_bytes": int(worker.available_kv_cache_memory_bytes)}
 
 
-def decode_step_samples(llm, batch_size: int, input_len: int, output_len: int, vocab_size: int,
-                        repeats: int = 5, seed: int = 0) -> list[float]:
-    """Seconds of each decode step of vLLM's engine loop, over `repeats` generations of
-    `output_len` tokens for `batch_size` prompts of `input_len` tokens (greedy, end of sequence
-    ignored). The prefill step(s) and the first token they produce are left out."""
+class EngineTimings(NamedTuple):
+    """Seconds of vLLM's engine loop over the timed generations."""
+
+    decode_steps: list[float]   # every decode step of every generation
+    prefills: list[float]       # per generation: the step(s) until every request had a token
+    generations: list[float]    # per generation: every step, prefill included (end to end)
+
+
+def engine_timings(llm, batch_size: int, input_len: int, output_len: int, vocab_size: int,
+                   repeats: int = 5, seed: int = 0, between=None) -> EngineTimings:
+    """Time vLLM's engine loop over `repeats` generations of `output_len` tokens for
+    `batch_size` prompts of `input_len` tokens (greedy, end of sequence ignored), each step
+    timed; the first generation is a warm-up. A generation's prefill is its steps until every
+    request has its first token; its decode steps are the rest. `between()`, when given, is
+    called after each generation (the warm-up's included): the kit's turn, so that both sides
+    are timed in the same minutes of a shared machine."""
     from vllm import SamplingParams
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to see a decode step")
@@ -404,7 +430,7 @@ def decode_step_samples(llm, batch_size: int, input_len: int, output_len: int, v
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True,
                             temperature=0.0, detokenize=False)
     engine = llm.llm_engine
-    samples = []
+    out = EngineTimings([], [], [])
     for rep in range(repeats + 1):  # the first generation is a warm-up
         for i in range(batch_size):
             ids = [rng.randrange(vocab_size) for _ in range(input_len)]
@@ -415,11 +441,14 @@ def decode_step_samples(llm, batch_size: int, input_len: int, output_len: int, v
             outputs = engine.step()
             steps.append(time.perf_counter() - t0)
             tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
-        # decode steps: every request already has its first token from the prefill
         first = next(i for i, n in enumerate(tokens) if n >= batch_size) + 1
         if rep:
-            samples += steps[first:]
-    return samples
+            out.decode_steps.extend(steps[first:])
+            out.prefills.append(sum(steps[:first]))
+            out.generations.append(sum(steps))
+        if between is not None:
+            between()
+    return out
 
 
 def shutdown(llm) -> None:
@@ -448,10 +477,11 @@ def _keep_torch_threads():
 
 def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
                decode: tuple[int, int, int] | None = None, vocab_size: int | None = None,
-               repeats: int = 10, echo_log: bool = False, **kwargs) -> EngineRun:
+               repeats: int = 10, echo_log: bool = False, between=None, **kwargs) -> EngineRun:
     """Start `vllm.LLM` on `model_folder` (`mode` "eager" or "compiled"), read what it decided,
-    time decode steps when `decode=(batch_size, input_len, output_len)`, shut it down.
-    `kwargs` go to `engine_kwargs`. Never raises for vLLM's failures: see `EngineRun.error`."""
+    time decode steps when `decode=(batch_size, input_len, output_len)` (calling `between()`
+    after each generation: see `engine_timings`), shut it down. `kwargs` go to
+    `engine_kwargs`. Never raises for vLLM's failures: see `EngineRun.error`."""
     run = EngineRun(mode=mode, model=name or Path(model_folder).name)
     missing = vllm_missing()
     if missing:
@@ -471,9 +501,10 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
             if decode:
                 batch_size, input_len, output_len = decode
                 run.decode_batch_size, run.decode_input_len, run.decode_output_len = decode
-                run.decode_step_seconds = decode_step_samples(
-                    llm, batch_size, input_len, output_len, vocab_size or 1000, repeats,
-                    kwargs.get("seed", 0))
+                timed = engine_timings(llm, batch_size, input_len, output_len,
+                                       vocab_size or 1000, repeats, kwargs.get("seed", 0),
+                                       between)
+                run.decode_step_seconds, run.prefill_seconds, run.generation_seconds = timed
         except Exception as e:  # vLLM's own refusal: keep the message, drop the traceback
             run.error = _fail_message(e)
             records.append(logging.makeLogRecord(
@@ -490,7 +521,7 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
 def run_settings(settings, mode: str, folder: Path | None = None, *, block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None, decode: bool = True,
                  repeats: int | None = None, echo_log: bool = False,
-                 profile_memory: bool = False) -> EngineRun:
+                 profile_memory: bool = False, between=None) -> EngineRun:
     """`run_engine` for the kit's `Settings`: the same model, dtype, batch and lengths;
     `block_size` and `kv_cache_memory_bytes` override the settings' (the chapter passes the same
     values to both sides). `repeats`: generations timed (None: about `DECODE_STEPS` decode steps
@@ -506,7 +537,7 @@ def run_settings(settings, mode: str, folder: Path | None = None, *, block_size:
     return run_engine(
         model, mode, name=arch.name, vocab_size=arch.vocab_size, repeats=repeats,
         decode=(settings.batch_size, settings.input_len, settings.output_len) if decode else None,
-        echo_log=echo_log, block_size=block_size or settings.block_size,
+        echo_log=echo_log, between=between, block_size=block_size or settings.block_size,
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, dtype=settings.dtype,
         kv_cache_dtype=settings.kv_cache_dtype,

@@ -3,23 +3,26 @@
 - KV blocks: the kit's arithmetic (`kit.engine.kv_cache`) against vLLM's own KV cache code
   (`kit.studies.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and
   cache dtype; and against a started engine for the chapter's model.
-- Decode step time: the kit's decode loop (`kit_decode_steps`, chapter 04's timing) against
-  vLLM's engine loop (`kit.studies.vllm_bridge.run_settings`), eager and compiled.
+- Decode step time and end to end: the kit's decode loop (`KitTurns`, chapter 04's paged
+  decode) against vLLM's engine loop (`kit.studies.vllm_bridge.run_settings`), eager and
+  compiled, taking turns generation by generation (`side_by_side`).
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import median
 
 from kit.config import ModelConfig, load, parse_bytes
-from kit.engine.decode import blocks_needed, decode_inputs, kv_cache_for, prompt_lengths
+from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
+                               kv_cache_for, prefill_runner, prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
 from kit.engine.model import build_model
 from kit.errors import ConfigError
-from kit.studies.decode_timing import time_strategies
-from kit.studies.vllm_bridge import MODES, EngineRun, VLLMKVSizing, run_settings, vllm_kv_sizing
+from kit.studies.decode_timing import warm_up
+from kit.studies.vllm_bridge import (DECODE_STEPS, MODES, EngineRun, VLLMKVSizing, run_settings,
+                                     vllm_kv_sizing)
 
 
 @dataclass
@@ -110,17 +113,27 @@ def engine_agreement(settings, budget_bytes: int, run) -> dict:
 
 @dataclass
 class KitDecode:
-    """The kit's decode steps for one mode, in the same shape as vLLM's (`EngineRun`)."""
+    """The kit's generations for one mode, in the same shape as vLLM's (`EngineRun`)."""
 
     mode: str
     strategy: str
-    step_seconds: list[float]
-    compile_seconds: float | None
+    step_seconds: list[float] = field(default_factory=list)   # every decode step timed
+    compile_seconds: float | None = None
     error: str | None = None
+    prefills: list[float] = field(default_factory=list)       # per generation
+    generations: list[float] = field(default_factory=list)    # per generation: prefill + steps
 
     @property
     def median(self) -> float | None:
         return median(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def prefill_seconds(self) -> float | None:
+        return median(self.prefills) if self.prefills else None
+
+    @property
+    def end_to_end_seconds(self) -> float | None:
+        return median(self.generations) if self.generations else None
 
 
 def kit_strategy(mode: str, device: str) -> str:
@@ -131,31 +144,103 @@ def kit_strategy(mode: str, device: str) -> str:
     return "cuda_graphs" if device == "cuda" else "guard_free"
 
 
-def kit_decode_steps(settings, modes=("eager", "compiled"),
-                     decode_steps: int = 90) -> dict[str, KitDecode]:
-    """Per-step seconds of the kit's paged decode (chapter 04's timing) of
-    `settings.batch_size` prompts of `settings.input_len` tokens, `settings.output_len - 1`
-    decode steps after the prefill, in a cache of the blocks the run needs, for each mode's
-    strategy (`kit_strategy`). After a warm-up (compilation) per strategy, the strategies take
-    turns over whole generations until about `decode_steps` steps each are timed, so a noisy
-    neighbour slows them alike."""
-    strategies = {mode: kit_strategy(mode, settings.device) for mode in modes}
-    steps = settings.output_len - 1
-    lens = prompt_lengths(settings.batch_size, settings.input_len)
-    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    kv_cache = kv_cache_for(settings, blocks_needed(lens, steps, settings.block_size))
-    batch, prompts = decode_inputs(settings, kv_cache)
-    timings = time_strategies(model, batch, prompts, steps, list(strategies.values()),
-                              settings.dtype,
-                              num_iters=max(2, -(-decode_steps // max(1, steps))),
-                              progress=lambda *_: None, profiled_steps=0)
-    out = {}
-    for mode, strategy in strategies.items():
-        t = timings[strategy]
-        error = None if t.correctness is None or t.correctness.ok else \
-            f"logits off the no-cache reference by {t.correctness.max_error:.1e}"
-        out[mode] = KitDecode(mode, strategy, t.samples.seconds, t.compile_seconds, error)
-    return out
+class KitTurns:
+    """The kit's side of the decode comparison (chapter 04's paged decode), run in turns with
+    vLLM's engine: `start(mode)` warms the mode's strategy up (compiling it, and on the CPU the
+    prefill for the compiled strategies), then each `turn()` runs and times one whole
+    generation (prefill, then `output_len - 1` steps), the first checked against the no-cache
+    reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
+    never raised (it runs inside vLLM's loop)."""
+
+    def __init__(self, settings):
+        self.settings, self.steps = settings, settings.output_len - 1
+        lens = prompt_lengths(settings.batch_size, settings.input_len)
+        self.model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
+        kv_cache = kv_cache_for(settings, blocks_needed(lens, self.steps, settings.block_size))
+        self.batch, self.prompts = decode_inputs(settings, kv_cache)
+        self.compiled_prefill = None
+        self.decodes: dict[str, KitDecode] = {}
+        self.mode = self.runner = self.prefill = None
+
+    def start(self, mode: str) -> KitDecode:
+        strategy = kit_strategy(mode, self.settings.device)
+        decode = self.decodes[mode] = KitDecode(mode, strategy)
+        self.mode, self.runner = mode, None
+        try:
+            if strategy != "eager" and self.compiled_prefill is None:
+                self.compiled_prefill = prefill_runner(self.model, self.batch, self.prompts)
+            self.prefill = None if strategy == "eager" else self.compiled_prefill
+            self.runner, _ = warm_up(self.model, self.batch, self.prompts, self.steps, strategy,
+                                     self.prefill)
+            decode.compile_seconds = self.runner.compile_seconds
+        except Exception as e:  # noqa: BLE001 - the chapter goes on to vLLM's side
+            decode.error = f"{type(e).__name__}: {e}"
+        return decode
+
+    def turn(self) -> None:
+        decode = self.decodes[self.mode]
+        if decode.error:
+            return
+        try:
+            first = not decode.generations
+            run = generate(self.model, self.batch, self.prompts, self.steps, step=self.runner,
+                           keep_logits=first, prefill=self.prefill)
+            decode.step_seconds += run.step_seconds
+            decode.prefills.append(run.prefill_seconds)
+            decode.generations.append(run.prefill_seconds + sum(run.step_seconds))
+            if first:
+                check = check_against_reference(self.model, self.prompts, run,
+                                                self.settings.dtype)
+                if not check.ok:
+                    decode.error = (f"logits off the no-cache reference by "
+                                    f"{check.max_error:.1e}")
+        except Exception as e:  # noqa: BLE001
+            decode.error = f"{type(e).__name__}: {e}"
+
+    def stop(self, turns_alone: int = 0) -> KitDecode:
+        """End the mode's turns, first taking `turns_alone` more (when vLLM took none)."""
+        for _ in range(turns_alone):
+            self.turn()
+        if self.runner is not None:
+            self.runner.discard()
+        return self.decodes[self.mode]
+
+    def close(self) -> None:
+        if self.compiled_prefill is not None:
+            self.compiled_prefill.discard()
+
+
+def side_by_side(settings, folder: Path, progress=print,
+                 modes=MODES) -> tuple[dict[str, KitDecode], dict[str, EngineRun]]:
+    """For each mode: the kit's strategy warmed up, then vLLM started in that mode, and after
+    each of its generations (the warm-up's included) the kit runs one: both sides timed in the
+    same minutes, so a busy neighbour slows both alike. Each engine is shut down before the
+    next starts; its start-up log is saved in `folder`. Where vLLM does not start, the kit
+    still times its generations alone."""
+    kit = KitTurns(settings)
+    repeats = max(2, -(-DECODE_STEPS // max(1, kit.steps)))
+    runs = {}
+    try:
+        for mode in modes:
+            progress(f"kit {mode} ({kit_strategy(mode, settings.device)}): warming up ...")
+            decode = kit.start(mode)
+            progress(f"  {decode.error}" if decode.error else
+                     f"  first call {decode.compile_seconds:.1f} s")
+            progress(f"starting vLLM ({mode}), the kit taking a turn after each generation ...")
+            run = runs[mode] = run_settings(settings, mode, between=kit.turn)
+            decode = kit.stop(turns_alone=0 if decode.generations else repeats + 1)
+            log = run.save_log(folder)
+            progress(f"  vLLM: {run.error}" if not run.ok else
+                     f"  vLLM started in {run.startup_seconds:.1f} s (compile "
+                     f"{run.compile_seconds or 0:.1f} s), {run.num_blocks:,} blocks of "
+                     f"{run.block_size}, median step {run.decode_step_median * 1e3:.3f} ms; "
+                     f"log: {log.name}")
+            progress(f"  kit: {decode.error}" if decode.error else
+                     f"  kit median step {decode.median * 1e3:.3f} ms over "
+                     f"{len(decode.step_seconds)} steps")
+    finally:
+        kit.close()
+    return kit.decodes, runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,26 +278,46 @@ class DecodeComparison:
     kit_compile: float | None
     vllm_compile: float | None
     vllm_startup: float | None
+    kit_prefill: float | None = None
+    vllm_prefill: float | None = None
+    kit_end_to_end: float | None = None    # one generation: prefill and every decode step
+    vllm_end_to_end: float | None = None
 
     @property
     def ratio(self) -> float | None:
         """kit ÷ vLLM: below 1 the kit's step is faster."""
-        if self.kit_step is None or not self.vllm_step:
-            return None
-        return self.kit_step / self.vllm_step
+        return _ratio(self.kit_step, self.vllm_step)
+
+    @property
+    def end_to_end_ratio(self) -> float | None:
+        return _ratio(self.kit_end_to_end, self.vllm_end_to_end)
 
     def ms(self) -> tuple[float | None, float | None]:
         """(kit step, vLLM step) in milliseconds."""
         return _ms(self.kit_step), _ms(self.vllm_step)
 
     def row(self) -> dict:
-        def fmt(v, digits=3):
-            return "n/a" if v is None else f"{v:,.{digits}f}"
         return {"mode": self.mode, "kit strategy": self.kit_strategy,
-                "kit step (ms)": fmt(_ms(self.kit_step)), "vLLM step (ms)": fmt(_ms(self.vllm_step)),
-                "kit ÷ vLLM": fmt(self.ratio, 2), "kit compile (s)": fmt(self.kit_compile, 1),
-                "vLLM compile (s)": fmt(self.vllm_compile, 1),
-                "vLLM start-up (s)": fmt(self.vllm_startup, 1)}
+                "kit step (ms)": _fmt(_ms(self.kit_step)), "vLLM step (ms)": _fmt(_ms(self.vllm_step)),
+                "kit ÷ vLLM": _fmt(self.ratio, 2), "kit compile (s)": _fmt(self.kit_compile, 1),
+                "vLLM compile (s)": _fmt(self.vllm_compile, 1),
+                "vLLM start-up (s)": _fmt(self.vllm_startup, 1)}
+
+    def end_to_end_row(self) -> dict:
+        """The same requests end to end: prefill, then the whole generation."""
+        return {"mode": self.mode, "kit strategy": self.kit_strategy,
+                "kit prefill (s)": _fmt(self.kit_prefill), "vLLM prefill (s)": _fmt(self.vllm_prefill),
+                "kit end to end (s)": _fmt(self.kit_end_to_end),
+                "vLLM end to end (s)": _fmt(self.vllm_end_to_end),
+                "kit ÷ vLLM": _fmt(self.end_to_end_ratio, 2)}
+
+
+def _ratio(kit: float | None, vllm: float | None) -> float | None:
+    return None if kit is None or not vllm else kit / vllm
+
+
+def _fmt(v, digits=3):
+    return "n/a" if v is None else f"{v:,.{digits}f}"
 
 
 def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
@@ -220,19 +325,23 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
     out = []
     for mode, run in runs.items():
         k = kit_decodes.get(mode)
-        out.append(DecodeComparison(mode, k.strategy if k else "-", k.median if k else None,
-                                    run.decode_step_median, k.compile_seconds if k else None,
-                                    run.compile_seconds, run.startup_seconds))
+        out.append(DecodeComparison(
+            mode, k.strategy if k else "-", k.median if k else None, run.decode_step_median,
+            k.compile_seconds if k else None, run.compile_seconds, run.startup_seconds,
+            k.prefill_seconds if k else None, run.prefill_median,
+            k.end_to_end_seconds if k else None, run.end_to_end_median))
     return out
 
 
-def best_ratio(comparisons: list[DecodeComparison]) -> float | None:
-    """The kit's best step over vLLM's best step (the issue's target: at most 1.0)."""
-    kit_steps = [c.kit_step for c in comparisons if c.kit_step is not None]
-    vllm_steps = [c.vllm_step for c in comparisons if c.vllm_step is not None]
-    if not kit_steps or not vllm_steps:
+def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) -> float | None:
+    """The kit's best step over vLLM's best step (the target: at most 1.0); with
+    `end_to_end`, the best whole generation over vLLM's best."""
+    kit, vllm = ("kit_end_to_end", "vllm_end_to_end") if end_to_end else ("kit_step", "vllm_step")
+    kit_best = [getattr(c, kit) for c in comparisons if getattr(c, kit) is not None]
+    vllm_best = [getattr(c, vllm) for c in comparisons if getattr(c, vllm) is not None]
+    if not kit_best or not vllm_best:
         return None
-    return min(kit_steps) / min(vllm_steps)
+    return min(kit_best) / min(vllm_best)
 
 
 def chapter_budget(settings) -> int:
@@ -251,22 +360,6 @@ def with_budget(settings, profiled_run):
                           "kv_cache_memory_bytes")
     return replace(settings, kv_cache_memory_bytes=profiled_run.memory["kv_cache_budget_bytes"]
                    if profiled_run.memory else profiled_run.kv_cache_bytes)
-
-
-def run_engines(settings, folder: Path, progress=print) -> dict[str, EngineRun]:
-    """vLLM started on the chapter's settings in each mode, one after the other (each shut
-    down before the next starts), decode steps timed; each start-up log saved in `folder`."""
-    runs = {}
-    for mode in MODES:
-        progress(f"starting vLLM ({mode}) ...")
-        run = runs[mode] = run_settings(settings, mode)
-        log = run.save_log(folder)
-        progress(f"  {run.error}" if not run.ok else
-                 f"  started in {run.startup_seconds:.1f} s (compile "
-                 f"{run.compile_seconds or 0:.1f} s), {run.num_blocks:,} blocks of "
-                 f"{run.block_size}, median step {run.decode_step_median * 1e3:.3f} ms; "
-                 f"log: {log.name}")
-    return runs
 
 
 def grid_per_model(grid: list[KVAgreement]) -> list[dict]:

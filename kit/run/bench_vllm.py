@@ -1,0 +1,89 @@
+"""`python -m kit bench vllm`: chapter 05's decode comparison without the notebook. The kit's
+decode (eager and its compiled strategy) and vLLM's engine (eager and compiled) on the same
+model, dtype, batch, prompts' length and KV budget, in one process, taking turns generation by
+generation (`side_by_side`): each decode step's median and the same requests end to end
+(prefill and every step), the ratios
+kit ÷ vLLM per mode and best against best; prints the tables and writes a folder (default
+`runs/bench/vllm-<time>-<preset>/`): `result.json` and vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed,
+never asserted.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from pathlib import Path
+
+from kit.config import DATA, load
+from kit.errors import ConfigError
+from kit.run.runner import parse_params
+
+# What chapter 05's parameters default to where the preset's values do not suit vLLM's CPU
+# backend: a block size that is a multiple of 32 (its CPU default) and a fixed KV budget.
+DEFAULTS = {"block_size": 128, "kv_cache_memory_bytes": "256MiB"}
+
+
+def add_vllm_cli(benchmarks, common) -> None:
+    p = benchmarks.add_parser(
+        "vllm", help="the kit's decode beside vLLM's engine, per step and end to end; writes "
+        "JSON and prints a table")
+    common(p)
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder to write (default: runs/bench/vllm-<time>-<preset>/)")
+    p.set_defaults(func=bench_vllm)
+
+
+def settings_for(preset: str, params: list[str]):
+    """The preset with chapter 05's defaults (DEFAULTS) under the -p overrides."""
+    return load(preset, **{**DEFAULTS, **parse_params(params)})
+
+
+def bench_vllm(args) -> int:
+    """Both sides timed, the table printed, the JSON written; 1 when a side failed (vLLM did
+    not start, or the kit's logits left the no-cache reference's tolerance)."""
+    from kit.measure.device import describe, versions
+    from kit.show.tables import Table
+    from kit.studies import vllm_bridge as vb, vllm_side_by_side as sbs
+    settings = settings_for(args.preset, args.param)
+    sbs.chapter_budget(settings)
+    missing = vb.vllm_missing()
+    if missing:
+        raise ConfigError(missing)
+    folder = args.out or DATA.parent / "runs" / "bench" / \
+        f"vllm-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}"
+    folder.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    print(f"kit: {settings.arch.name} {settings.dtype}, batch {settings.batch_size}, "
+          f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
+    kit, runs = sbs.side_by_side(settings, folder, progress=lambda m: print(m, flush=True))
+    comparisons = sbs.decode_comparison(kit, {m: r for m, r in runs.items() if r.ok})
+    result = {"preset": args.preset, "parameters": parse_params(args.param),
+              "settings": {k: str(v) for k, v in vars(settings).items()},
+              "machine": describe(settings.device),
+              "versions": versions(), "vllm_version": vb.vllm_version(),
+              "decode": [c.row() for c in comparisons],
+              "end_to_end": [c.end_to_end_row() for c in comparisons],
+              "best_step_ratio": sbs.best_ratio(comparisons),
+              "best_end_to_end_ratio": sbs.best_ratio(comparisons, end_to_end=True),
+              "kit": {m: {"strategy": k.strategy, "error": k.error, "step_seconds": k.step_seconds,
+                          "compile_seconds": k.compile_seconds, "prefills": k.prefills,
+                          "generations": k.generations, "prefill_seconds": k.prefill_seconds,
+                          "end_to_end_seconds": k.end_to_end_seconds} for m, k in kit.items()},
+              "vllm": {m: r.summary() for m, r in runs.items()},
+              "load_average": {"before": load_before, "after": os.getloadavg()}}
+    (folder / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    print()
+    print(Table(result["decode"], "Decode step (median)"))
+    print(Table(result["end_to_end"], "The same requests end to end (median generation)"))
+    for label, key in (("decode step", "best_step_ratio"), ("end to end", "best_end_to_end_ratio")):
+        ratio = result[key]
+        print(f"kit's best ÷ vLLM's best, {label}: " + ("n/a" if ratio is None else
+              f"{ratio:.2f} (target: at most 1.00)"))
+    print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
+          "(a shared machine: timings are noisy)")
+    print(f"wrote {folder}")
+    failed = [f"vLLM {m}: {r.error}" for m, r in runs.items() if not r.ok] + \
+        [f"kit {m}: {k.error}" for m, k in kit.items() if k.error]
+    for line in failed:
+        print(f"error: {line}")
+    return 1 if failed else 0
