@@ -243,3 +243,13 @@ def test_bench_vllm_refuses_a_run_without_a_kv_budget_before_any_work(tmp_path, 
     rc = main(["bench", "vllm", "-p", "kv_cache_memory_bytes=None", "--out", str(tmp_path / "b")])
     assert rc == 2 and "kv_cache_memory_bytes" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_vllm_defaults_are_chapter_05s():
+    """`bench vllm` and chapter 05 start from the same block size and KV budget."""
+    import papermill
+    from kit.run.bench_vllm import DEFAULTS
+    params = papermill.inspect_notebook(str(kit.config.DATA.parent / "notebooks" /
+                                            "05_vllm_side_by_side.ipynb"))
+    for name, value in DEFAULTS.items():
+        assert params[name]["default"].strip("\"'") == str(value), name

@@ -7,6 +7,8 @@ the block table (`kit.engine.model.paged_decode_attention`). The step is built t
 inputs are the same tensors every step (token ids, positions, block tables, the cache), updated
 in place, with shapes fixed by the batch size and the table's width; there is no Python
 control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
+The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
+CPU once for any number and length of prompts (`prefill_runner`).
 
 Correctness first: `reference_logits` recomputes every step's logits over the whole sequence
 without any cache, and every strategy's logits must equal them within a tolerance by dtype.
