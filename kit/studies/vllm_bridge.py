@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -257,8 +258,7 @@ class EngineRun:
 
     @property
     def decode_step_median(self) -> float | None:
-        from statistics import median
-        return median(self.decode_step_seconds) if self.decode_step_seconds else None
+        return median_or_none(self.decode_step_seconds)
 
     @property
     def decode_step_spread(self) -> float | None:
@@ -268,13 +268,11 @@ class EngineRun:
     @property
     def end_to_end_median(self) -> float | None:
         """A whole generation (prefill and every decode step), the median over the timed ones."""
-        from statistics import median
-        return median(self.generation_seconds) if self.generation_seconds else None
+        return median_or_none(self.generation_seconds)
 
     @property
     def prefill_median(self) -> float | None:
-        from statistics import median
-        return median(self.prefill_seconds) if self.prefill_seconds else None
+        return median_or_none(self.prefill_seconds)
 
     def summary(self) -> dict:
         """Numbers for `Recorder.record` (the log goes to a file, see `save_log`)."""
@@ -289,6 +287,10 @@ class EngineRun:
         path = Path(folder) / f"vllm-{self.model}-{self.mode}.log"
         path.write_text("\n".join(self.log) + "\n")
         return path
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 class _Capture(logging.Handler):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from statistics import median
 
 from kit.config import ModelConfig, load, parse_bytes
 from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
@@ -21,8 +20,8 @@ from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.studies.decode_timing import warm_up
-from kit.studies.vllm_bridge import (DECODE_STEPS, MODES, EngineRun, VLLMKVSizing, run_settings,
-                                     vllm_kv_sizing)
+from kit.studies.vllm_bridge import (DECODE_STEPS, MODES, EngineRun, VLLMKVSizing, median_or_none,
+                                     run_settings, vllm_kv_sizing)
 
 
 @dataclass
@@ -125,15 +124,15 @@ class KitDecode:
 
     @property
     def median(self) -> float | None:
-        return median(self.step_seconds) if self.step_seconds else None
+        return median_or_none(self.step_seconds)
 
     @property
     def prefill_seconds(self) -> float | None:
-        return median(self.prefills) if self.prefills else None
+        return median_or_none(self.prefills)
 
     @property
     def end_to_end_seconds(self) -> float | None:
-        return median(self.generations) if self.generations else None
+        return median_or_none(self.generations)
 
 
 def kit_strategy(mode: str, device: str) -> str:
