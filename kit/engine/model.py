@@ -10,6 +10,10 @@ Attention is one method, `Attention.attend`. Without `AttentionMetadata` it is p
 attention within each sequence. With it, the layer first writes its keys and values into the
 paged cache at `slot_mapping`; a prefill then attends as before, a decode step reads every
 sequence's keys and values back through its block table (`block_tables`, `context_lens`).
+
+Every product with a weight goes through `linear`, plain `F.linear` but in compiled code after
+`Decoder.multiply_in(torch.float32)`: then 16-bit weights are multiplied in float32, for CPUs
+whose oneDNN has no 16-bit kernels (chapter 04).
 """
 from __future__ import annotations
 
@@ -251,6 +255,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The whole model. Build it with `build_model`, which places and initializes the weights."""
 
+    matmul_dtype: torch.dtype | None = None  # compiled code's products (`multiply_in`)
+
     def __init__(self, arch: ModelConfig):
         super().__init__()
         self.arch = arch
@@ -294,8 +300,6 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight, matmul_dtype=self.matmul_dtype)
-
-    matmul_dtype: torch.dtype | None = None
 
     def multiply_in(self, dtype: torch.dtype | None) -> None:
         """Compiled code runs every product with the weights in `dtype` (None: the weights'
