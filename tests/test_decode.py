@@ -350,3 +350,19 @@ def test_recorded_vllm_figures_only_beside_runs_they_match(monkeypatch):
                   {"avx512_bf16": False}, {"cpu": "Intel(R) Xeon(R) Platinum 8375C"}):
         monkeypatch.setattr(decode_timing, "cpu_kind", lambda o=other: {**recorded, **o})
         assert decode_timing.vllm_cpu_reference(same) is None, other
+
+
+def test_the_compute_floor_uses_float32s_rate_where_16_bit_products_are_emulated():
+    """Where bf16 matmuls are emulated, compiled code multiplies in float32: the compute floor
+    takes the faster of the two measured rates, never the emulated one alone."""
+    from types import SimpleNamespace
+    from kit.studies.decode_timing import DecodeReport
+    from kit.studies.setup_check import DtypeSpeed
+    limits = SimpleNamespace(matmul_flops_per_second=2.5e9)
+    emulated = SimpleNamespace(limits=limits, dtype_speed=DtypeSpeed("bfloat16", 2.5e9, 150e9))
+    native = SimpleNamespace(limits=SimpleNamespace(matmul_flops_per_second=600e9),
+                             dtype_speed=DtypeSpeed("bfloat16", 600e9, 150e9))
+    float32 = SimpleNamespace(limits=SimpleNamespace(matmul_flops_per_second=150e9),
+                              dtype_speed=None)
+    rate = DecodeReport.compute_rate.fget
+    assert (rate(emulated), rate(native), rate(float32)) == (150e9, 600e9, 150e9)

@@ -104,4 +104,4 @@ def floor_line(report) -> str:
     return (f"floor (median step): {cost.total_bytes / 1e6:,.1f} MB / "
             f"{limits.bandwidth / 1e9:,.1f} GB/s = {report.median_floor_seconds * 1e3:.2f} ms; "
             f"compute floor {report.compute_floor_seconds * 1e3:.2f} ms "
-            f"({cost.flops / 1e9:,.2f} GFLOP at {fmt_flops(limits.matmul_flops_per_second)})")
+            f"({cost.flops / 1e9:,.2f} GFLOP at {fmt_flops(report.compute_rate)})")

@@ -322,8 +322,18 @@ class DecodeReport:
 
     @property
     def compute_floor_seconds(self) -> float:
-        """The median step's FLOPs at the measured matmul throughput."""
-        return self.median_cost.flops / self.limits.matmul_flops_per_second
+        """The median step's FLOPs at the fastest matmul throughput measured here
+        (`compute_rate`)."""
+        return self.median_cost.flops / self.compute_rate
+
+    @property
+    def compute_rate(self) -> float:
+        """FLOP/s of the run's dtype, or float32's where that is faster: where 16-bit products
+        are emulated, compiled code multiplies the 16-bit weights in float32."""
+        rate = self.limits.matmul_flops_per_second
+        if self.dtype_speed is not None:
+            rate = max(rate, self.dtype_speed.float32_flops_per_second)
+        return rate
 
     def form_and_compiler(self) -> dict | None:
         """The eager step with two matmuls ÷ with summed products (what the attention's form
@@ -356,6 +366,7 @@ class DecodeReport:
                 "median_step_cost": self.median_cost.summary(),
                 "floor_seconds": self.floor_seconds,
                 "compute_floor_seconds": self.compute_floor_seconds,
+                "compute_rate": self.compute_rate,
                 "mixed_lengths": {"prompt_lens": self.mixed_lens, **self.mixed.summary()},
                 "strategies": {k: t.summary() for k, t in self.timings.items()},
                 "dtype_speed": self.dtype_speed.summary() if self.dtype_speed else None,
