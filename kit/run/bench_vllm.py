@@ -2,10 +2,9 @@
 decode (eager and its compiled strategy) and vLLM's engine (eager and compiled) on the same
 model, dtype, batch, prompts' length and KV budget, in one process, taking turns generation by
 generation (`side_by_side`): each decode step's median and the same requests end to end
-(prefill and every step), the ratios
-kit ÷ vLLM per mode and best against best; prints the tables and writes a folder (default
-`runs/bench/vllm-<time>-<preset>/`): `result.json` and vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed,
-never asserted.
+(prefill and every step), the ratios kit ÷ vLLM per mode and best against best; prints the
+tables and writes a folder (default `runs/bench/vllm-<time>-<preset>/`): `result.json` and
+vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed, never asserted.
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def bench_vllm(args) -> int:
     kit, runs = sbs.side_by_side(settings, folder, progress=lambda m: print(m, flush=True))
     comparisons = sbs.decode_comparison(kit, {m: r for m, r in runs.items() if r.ok})
     result = {"preset": args.preset, "parameters": parse_params(args.param),
-              "settings": {k: str(v) for k, v in vars(settings).items()},
+              "settings": settings.as_dict(),
               "machine": describe(settings.device),
               "versions": versions(), "vllm_version": vb.vllm_version(),
               "decode": [c.row() for c in comparisons],

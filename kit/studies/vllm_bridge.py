@@ -14,8 +14,9 @@ Two ways to ask vLLM:
 Decode step time: the batch's requests go into vLLM's engine and each `LLMEngine.step()` (the
 loop `LLM.generate` runs) is timed: greedy, end of sequence ignored, prefix caching off. The
 first generation is a warm-up; of the others, the prefill step(s) are timed apart, the median
-over every decode step is reported, and each whole generation is timed end to end. A step holds everything vLLM does per step: scheduling, input
-preparation, the model, sampling, output processing. (Timing whole generations of n and of 1
+over every decode step is reported, and each whole generation is timed end to end. A step
+holds everything vLLM does per step: scheduling, input preparation, the model, sampling,
+output processing. (Timing whole generations of n and of 1
 tokens and dividing the difference by n - 1 gives the same on a quiet machine, but on a shared
 one each difference carries the noise of two runs.)
 
