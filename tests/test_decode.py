@@ -222,6 +222,47 @@ def test_the_compiled_step_equals_the_reference_too():
     assert runner.graphs_compiled == 1
 
 
+def test_attention_span_rounds_the_longest_context_to_whole_chunks():
+    from kit.engine.model import VALUE_CHUNK, attention_span
+    assert VALUE_CHUNK == 16
+    assert attention_span(159, 256) == 160   # 128-token blocks: 160 positions read, not 256
+    assert attention_span(160, 160) == 160
+    assert attention_span(20, 24) == 24      # never past the table's positions
+
+
+def test_a_batch_reads_its_span_not_its_whole_table():
+    """With 32-token blocks, 47 tokens at most: the table holds 64 positions, the step reads 48
+    (three chunks of 16); eager (matmuls), eager summed and compiled (summed by chunks, then
+    chunks summed) steps equal the no-cache reference, and equal the whole table's attention."""
+    from kit.engine.decode import CPU_FREEZING
+    from kit.engine.model import paged_decode_attention, summed_attention
+    from kit.engine.runners import make_runner
+    a, lengths, steps = ARCHS["gqa"], [20, 33, 40], 7
+    model = build_model(a, "float32", "cpu", seed=0)
+    spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
+                       head_dim=a.head_dim, block_size=32, dtype_bytes=4)
+    cache = allocate(spec, blocks_needed(lengths, steps, 32) + 2, "float32", "cpu")
+    prompts, batch = make_prompts(lengths, a.vocab_size, seed=2), new_batch(cache, lengths, steps)
+    assert (batch.block_tables.shape[1] * 32, batch.max_context_len) == (64, 48)
+    runs = {"eager": generate(model, batch, prompts, steps)}
+    with summed_attention():
+        runs["eager summed"] = generate(model, batch, prompts, steps)
+        q = torch.randn(len(lengths), a.num_attention_heads, a.head_dim)
+        span, whole = (paged_decode_attention(q, cache[0], batch.block_tables,
+                                              torch.tensor(lengths) + steps, n) for n in (48, None))
+        torch.testing.assert_close(span, whole)
+    with torch.no_grad():
+        batch.start(model, prompts)
+        batch.make_room()
+        runner = make_runner(step_function(model, batch.max_context_len), "guard_free", "cpu",
+                             batch.step_args(), dynamic_dims={}, inductor_config=CPU_FREEZING)
+    runs["compiled"] = generate(model, batch, prompts, steps, step=runner)
+    runner.discard()
+    for name, run in runs.items():
+        result = check_against_reference(model, prompts, run, "float32")
+        assert result.max_error < 1e-5, (name, result.errors)
+
+
 @pytest.mark.parametrize("name, part", [
     ("mkldnn::_linear_pointwise", "gemm"), ("aten::addmm", "gemm"), ("aten::mm", "gemm"),
     ("aten::linear", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32", "gemm"), ("nvjet_tst_64x8", "gemm"),

@@ -24,7 +24,7 @@ import torch
 from kit.config import TOLERANCE, Settings
 from kit.engine.block_table import BlockAllocator
 from kit.engine.kv_cache import KVCacheSpec, allocate
-from kit.engine.model import AttentionMetadata, Decoder
+from kit.engine.model import AttentionMetadata, Decoder, attention_span
 from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
 from kit.measure.device import onednn_has_kernels, synchronize
@@ -111,9 +111,12 @@ class PagedBatch:
     them stays valid for every step, and for every run after `start` resets them.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int):
+    def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int,
+                 max_context_len: int | None = None):
         self.kv_cache, self.lengths = kv_cache, list(lengths)
         self.block_size = kv_cache.shape[3]
+        # positions each step's attention reads: the table's whole width unless told fewer
+        self.max_context_len = max_context_len or width * self.block_size
         device = kv_cache.device
         self.block_tables = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
         self.positions = torch.zeros(len(lengths), dtype=torch.long, device=device)
@@ -171,14 +174,16 @@ class PagedBatch:
         return logits
 
 
-def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache) -> torch.Tensor:
+def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
+                max_context_len: int | None = None) -> torch.Tensor:
     """One decode step for the whole batch: logits [num_seqs, vocab] of the tokens `input_ids`
     at `positions`. Where each token's K and V go (its slot) and how much context each sequence
-    sees follow from the positions and the block table, computed here on the device."""
+    sees follow from the positions and the block table, computed here on the device; the
+    attention reads `max_context_len` positions of each (default: the table's width)."""
     block_size = kv_cache.shape[3]
     block = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
     meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,
-                             block_tables, positions + 1)
+                             block_tables, positions + 1, max_context_len)
     return model.compute_logits(model.decode(input_ids, positions, meta))
 
 
@@ -192,10 +197,11 @@ def prefill_function(model: Decoder):
     return prefill
 
 
-def step_function(model: Decoder):
-    """`decode_step` bound to `model`: the function a strategy compiles (tensors in, logits out)."""
+def step_function(model: Decoder, max_context_len: int | None = None):
+    """`decode_step` bound to `model` (and to a batch's `max_context_len`): the function a
+    strategy compiles (tensors in, logits out)."""
     def step(input_ids, positions, block_tables, kv_cache):
-        return decode_step(model, input_ids, positions, block_tables, kv_cache)
+        return decode_step(model, input_ids, positions, block_tables, kv_cache, max_context_len)
     return step
 
 
@@ -221,7 +227,7 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
     step's time covers its bookkeeping (new blocks), the step and sampling, as an engine's does;
     copying out its tokens and logits for the correctness check comes after the clock."""
     device = batch.kv_cache.device.type
-    step = step or step_function(model)
+    step = step or step_function(model, batch.max_context_len)
     synchronize(device)
     t0 = time.perf_counter()
     first = batch.start(model, prompts, prefill)
@@ -242,8 +248,12 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
 
 
 def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int) -> PagedBatch:
-    """A batch whose block table is wide enough for `steps` decode steps."""
-    return PagedBatch(kv_cache, lengths, table_width(lengths, steps, kv_cache.shape[3]))
+    """A batch whose block table is wide enough for `steps` decode steps, its attention reading
+    as many positions as its longest context will hold (`attention_span`), not the table's
+    whole width: with 128-token blocks, 159 tokens would otherwise read 256."""
+    width = table_width(lengths, steps, kv_cache.shape[3])
+    span = attention_span(max(lengths) + steps, width * kv_cache.shape[3])
+    return PagedBatch(kv_cache, lengths, width, span)
 
 
 @torch.no_grad()
@@ -330,7 +340,8 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
     batch.start(model, prompts, prefill)
     batch.make_room()
-    runner = make_runner(step_function(model), strategy, device, batch.step_args(),
+    runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
+                         batch.step_args(),
                          dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
                          capture_sizes=[len(prompts)],
                          inductor_config=CPU_FREEZING if device == "cpu" else None)

@@ -97,18 +97,23 @@ class Linear(nn.Linear):
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
-    kv_cache:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (engine.kv_cache)
-    slot_mapping: [tokens] flat slot (block × block_size + offset) of each token's K and V
-    block_tables: [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
-    context_lens: [num_seqs] tokens each sequence attends to (its new token included)
+    kv_cache:        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                     (engine.kv_cache)
+    slot_mapping:    [tokens] flat slot (block × block_size + offset) of each token's K and V
+    block_tables:    [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
+    context_lens:    [num_seqs] tokens each sequence attends to (its new token included)
+    max_context_len: positions a decode step reads per sequence, fixed for the batch (its
+                     longest context, `attention_span`); None: the table's whole width
 
-    A NamedTuple of tensors, so torch.compile traces it without guarding on Python state.
+    A NamedTuple, so torch.compile traces it without guarding on Python state but the one int,
+    which stays the same for a batch (vLLM's attention metadata carries `max_seq_len` too).
     """
 
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
+    max_context_len: int | None = None
 
 
 def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
@@ -147,21 +152,48 @@ def summed_form() -> bool:
     return True if torch.compiler.is_compiling() else _EAGER_SUMMED["on"]
 
 
+# Compiled, the values' weighted sum runs over chunks of this many positions, then over the
+# chunks: one long sum per output is a chain of dependent additions, and shorter ones, side by
+# side, keep the CPU's vector units busy (the README gives the times seen).
+VALUE_CHUNK = 16
+
+
+def attention_span(longest_context: int, table_positions: int) -> int:
+    """Positions a decode step's attention reads per sequence: the batch's longest context
+    rounded up to whole VALUE_CHUNKs, within the table's positions (width × block_size)."""
+    return min(-(-longest_context // VALUE_CHUNK) * VALUE_CHUNK, table_positions)
+
+
+def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of weights [seqs, kv_heads, group, len] × values [seqs, len, kv_heads,
+    dim] -> [seqs, kv_heads, group, dim], as summed products in float32, by VALUE_CHUNKs of
+    positions where the length divides into them."""
+    num_seqs, length, kv_heads, head_dim = v.shape
+    v = v.permute(0, 2, 1, 3)[:, :, None].float()  # [seqs, kv_heads, 1, len, dim]
+    if length % VALUE_CHUNK:
+        return (weights[..., None] * v).sum(-2)
+    chunks = (num_seqs, kv_heads, -1, length // VALUE_CHUNK, VALUE_CHUNK)
+    products = weights.reshape(chunks)[..., None] * v.reshape(*chunks, head_dim)
+    return products.sum(-2).sum(-2)
+
+
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor):
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           max_context_len: int | None = None):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
 
-    Keys and values are gathered through the block table: every shape depends only on the batch
-    size and the table's width, never on the contexts' lengths, so one compiled graph (or one
-    CUDA graph) serves every step. Positions past a sequence's context (the padding of its
-    last block, or of its table) are masked out; the softmax runs in float32.
+    Keys and values are gathered through the block table, the first `max_context_len`
+    positions of each sequence's table (all of them by default): every shape depends only on
+    the batch, never on the contexts' lengths, so one compiled graph (or one CUDA graph) serves
+    every step. Positions past a sequence's context (the padding of its last block, or of its
+    table) are masked out; the softmax runs in float32.
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
-    max_len, group = width * block_size, q.shape[1] // kv_heads
-    k = layer_cache[0][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
-    v = layer_cache[1][block_tables].view(num_seqs, max_len, kv_heads, head_dim)
-    visible = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]
+    length, group = max_context_len or width * block_size, q.shape[1] // kv_heads
+    k = layer_cache[0][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    v = layer_cache[1][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
     # which Inductor turns into one kernel that gathers through the table as it goes (faster
@@ -176,7 +208,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
     weights = (scores * head_dim ** -0.5).softmax(-1)
     if summed:
-        out = (weights[..., None] * v.permute(0, 2, 1, 3)[:, :, None].float()).sum(-2)
+        out = weighted_values(weights, v)
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
     return out.to(q.dtype).reshape(q.shape)
@@ -212,7 +244,8 @@ class Attention(nn.Module):
             write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
             if meta.block_tables is not None:
                 return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
-                                              meta.block_tables, meta.context_lens)
+                                              meta.block_tables, meta.context_lens,
+                                              meta.max_context_len)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
