@@ -5,8 +5,9 @@ A batch of prompts is prefilled into the cache through chapter 02's `BlockAlloca
 decode step feeds one token per sequence, and its attention reads keys and values back through
 the block table (`kit.engine.model.paged_decode_attention`). The step is built to compile well: its
 inputs are the same tensors every step (token ids, positions, block tables, the cache), updated
-in place, with shapes fixed by the batch size and the table's width; there is no Python
-control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
+in place, with shapes fixed by the batch size, the table's width and the positions its attention
+reads (the batch's longest context, `max_context_len`); there is no Python control flow on their
+values. So one compiled graph, or one CUDA graph, serves every step.
 The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
 CPU once for any number and length of prompts (`prefill_runner`).
 
