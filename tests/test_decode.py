@@ -34,11 +34,11 @@ LENGTHS = [3, 4, 5, 9]  # ending before, on and after block edges
 STEPS = 7               # every sequence crosses at least one more block edge while decoding
 
 
-def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3):
+def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3, block_size=BLOCK_SIZE):
     model = build_model(a, dtype, "cpu", seed=0)
     spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                       head_dim=a.head_dim, block_size=BLOCK_SIZE, dtype_bytes=DTYPE_BYTES[dtype])
-    cache = allocate(spec, blocks_needed(lengths, steps, BLOCK_SIZE) + spare_blocks, dtype, "cpu")
+                       head_dim=a.head_dim, block_size=block_size, dtype_bytes=DTYPE_BYTES[dtype])
+    cache = allocate(spec, blocks_needed(lengths, steps, block_size) + spare_blocks, dtype, "cpu")
     prompts = make_prompts(lengths, a.vocab_size, seed=1)
     batch = new_batch(cache, lengths, steps)
     run = generate(model, batch, prompts, steps)
@@ -238,13 +238,10 @@ def test_a_batch_reads_its_span_not_its_whole_table():
     from kit.engine.model import paged_decode_attention, summed_attention
     from kit.engine.runners import make_runner
     a, lengths, steps = ARCHS["gqa"], [20, 33, 40], 7
-    model = build_model(a, "float32", "cpu", seed=0)
-    spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                       head_dim=a.head_dim, block_size=32, dtype_bytes=4)
-    cache = allocate(spec, blocks_needed(lengths, steps, 32) + 2, "float32", "cpu")
-    prompts, batch = make_prompts(lengths, a.vocab_size, seed=2), new_batch(cache, lengths, steps)
+    model, prompts, batch, eager = paged_run(a, "float32", lengths, steps, block_size=32)
+    cache = batch.kv_cache
     assert (batch.block_tables.shape[1] * 32, batch.max_context_len) == (64, 48)
-    runs = {"eager": generate(model, batch, prompts, steps)}
+    runs = {"eager": eager}
     with summed_attention():
         runs["eager summed"] = generate(model, batch, prompts, steps)
         q = torch.randn(len(lengths), a.num_attention_heads, a.head_dim)
@@ -312,6 +309,22 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     run = generate(model, batch, prompts, STEPS, step=runner)
     runner.discard()
     result = check_against_reference(model, prompts, run, dtype)
+    assert result.ok, result.errors
+
+
+def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner():
+    """Dynamo remembers the sizes a function saw by its file, line and name, which every
+    runner's copy of the step shares: a runner built after one for a batch of other shapes
+    must still compile its own shapes (made dynamic behind its back, a bf16 step's logits were
+    off the reference by 60-80%)."""
+    from kit.engine.decode import decode_runner
+    model, prompts, batch, _ = paged_run(ARCHS["gqa"], "float32", [20, 33, 40], block_size=32)
+    decode_runner(model, batch, prompts, "guard_free").discard()
+    model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
+    runner = decode_runner(model, batch, prompts, "guard_free")
+    run = generate(model, batch, prompts, STEPS, step=runner)
+    runner.discard()
+    result = check_against_reference(model, prompts, run, "bfloat16")
     assert result.ok, result.errors
 
 

@@ -145,6 +145,10 @@ def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
     assert 0 < eager.prefill_seconds < eager.end_to_end_seconds
     assert sum(eager.generations) == pytest.approx(sum(eager.prefills) + sum(eager.step_seconds))
     compiled = turns.start("compiled")
+    if settings.device == "cpu":  # one compiled prefill, built once, shared by the strategies
+        assert turns.prefill is not None
+        assert turns.shared_prefill.for_strategy("stock") is turns.prefill
+    assert turns.shared_prefill.for_strategy("eager") is None
     turns.stop(turns_alone=1)
     turns.close()
     assert compiled.strategy == "guard_free" and compiled.error is None

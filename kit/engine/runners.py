@@ -176,6 +176,12 @@ class Compiled(Runner):
         if self.first:
             mark_dynamic(args, self.dynamic_dims)
             self.first = False
+            # Dynamo remembers the sizes a function saw by its file, line and name, which
+            # every runner's copy shares: after a runner for another batch, the sizes that
+            # differ would come out dynamic ("automatic dynamic"). Each runner compiles the
+            # shapes it is given, with only `dynamic_dims` dynamic.
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                return self.compiled(*args)
         return self.compiled(*args)
 
     def discard(self) -> None:

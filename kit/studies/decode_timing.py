@@ -125,6 +125,36 @@ class StrategyTiming:
                 "breakdown": self.breakdown.summary() if self.breakdown else None}
 
 
+class SharedPrefill:
+    """The prefill every compiled strategy uses: on the CPU one compiled prefill
+    (`prefill_runner`), built when the first of them asks and shared, since the strategies
+    differ in how they run the step, not the prefill; eager elsewhere and for the eager
+    strategy (None). `discard()` frees it."""
+
+    def __init__(self, model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                 progress=None):
+        self.model, self.batch, self.prompts, self.progress = model, batch, prompts, progress
+        self.runner = None
+
+    def for_strategy(self, strategy: str):
+        on_cpu = self.batch.kv_cache.device.type == "cpu"
+        if strategy == "eager" or not on_cpu:
+            return None
+        if self.runner is None:
+            self.say("compiling the prefill (shared by the compiled strategies) ...")
+            self.runner = prefill_runner(self.model, self.batch, self.prompts)
+            self.say(f"  {self.runner.compile_seconds:.2f} s")
+        return self.runner
+
+    def say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
+
+    def discard(self) -> None:
+        if self.runner is not None:
+            self.runner.discard()
+
+
 @torch.no_grad()
 def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
             strategy: str, prefill=None, warmup_steps: int = 2):
@@ -148,16 +178,11 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
     whichever ran at the time; `after_round` is called after each round. The first timed run
     of each is checked against the reference; then `profiled_steps` more steps of each are
-    profiled (none: no breakdown). On the CPU the compiled strategies prefill through one
-    compiled prefill (`prefill_runner`), built before the first of them and shared: the
-    strategies differ in how they run the step, not the prefill."""
-    runners, timings, prefills, compiled_prefill = {}, {}, {}, None
+    profiled (none: no breakdown). The compiled strategies prefill through `SharedPrefill`."""
+    runners, timings, prefills = {}, {}, {}
+    shared = SharedPrefill(model, batch, prompts, progress)
     for i, name in enumerate(strategies, 1):
-        if name != "eager" and compiled_prefill is None and batch.kv_cache.device.type == "cpu":
-            progress("compiling the prefill (shared by the compiled strategies) ...")
-            compiled_prefill = prefill_runner(model, batch, prompts)
-            progress(f"  {compiled_prefill.compile_seconds:.2f} s")
-        prefills[name] = None if name == "eager" else compiled_prefill
+        prefills[name] = shared.for_strategy(name)
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
         runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name])
         runners[name] = runner
@@ -189,8 +214,7 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
                                                     min(profiled_steps, steps), device, name,
                                                     weight_bytes)
         runner.discard()
-    if compiled_prefill is not None:
-        compiled_prefill.discard()
+    shared.discard()
     return timings
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from kit.config import ModelConfig, load, parse_bytes
 from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
-                               kv_cache_for, prefill_runner, prompt_lengths)
+                               kv_cache_for, prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
 from kit.engine.model import build_model
 from kit.errors import ConfigError
-from kit.studies.decode_timing import warm_up
+from kit.studies.decode_timing import SharedPrefill, warm_up
 from kit.studies.vllm_bridge import (DECODE_STEPS, MODES, EngineRun, VLLMKVSizing, median_or_none,
                                      run_settings, vllm_kv_sizing)
 
@@ -157,7 +157,7 @@ class KitTurns:
         self.model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
         kv_cache = kv_cache_for(settings, blocks_needed(lens, self.steps, settings.block_size))
         self.batch, self.prompts = decode_inputs(settings, kv_cache)
-        self.compiled_prefill = None
+        self.shared_prefill = SharedPrefill(self.model, self.batch, self.prompts)
         self.decodes: dict[str, KitDecode] = {}
         self.mode = self.runner = self.prefill = None
 
@@ -166,9 +166,7 @@ class KitTurns:
         decode = self.decodes[mode] = KitDecode(mode, strategy)
         self.mode, self.runner = mode, None
         try:
-            if strategy != "eager" and self.compiled_prefill is None:
-                self.compiled_prefill = prefill_runner(self.model, self.batch, self.prompts)
-            self.prefill = None if strategy == "eager" else self.compiled_prefill
+            self.prefill = self.shared_prefill.for_strategy(strategy)
             self.runner, _ = warm_up(self.model, self.batch, self.prompts, self.steps, strategy,
                                      self.prefill)
             decode.compile_seconds = self.runner.compile_seconds
@@ -205,8 +203,7 @@ class KitTurns:
         return self.decodes[self.mode]
 
     def close(self) -> None:
-        if self.compiled_prefill is not None:
-            self.compiled_prefill.discard()
+        self.shared_prefill.discard()
 
 
 def side_by_side(settings, folder: Path, progress=print,
