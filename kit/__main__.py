@@ -1,5 +1,5 @@
 import sys
 
-from kit.run.cli import main
+from kit.cli.main import main
 
 sys.exit(main())

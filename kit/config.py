@@ -11,11 +11,12 @@ module of the kit, and torch only to ask whether CUDA is present.
 from __future__ import annotations
 
 import json
-import re
+
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from kit.errors import ConfigError
+from kit.units import parse_bytes
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA / "models"
@@ -258,24 +259,6 @@ def resolve_device(name: str) -> str:
                           f"(torch {torch.__version__}); use device='auto' or 'cpu', or the "
                           "cpu-small preset")
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value) -> int | None:
-    """`2GiB`, `512 MiB`, `16e9` or an int -> bytes; None stays None."""
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value)
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{value!r} is not a size: write one such as 16GiB, 512MiB or a "
-                          "number of bytes")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.run.runner import run
+from kit.execute.notebooks import run
 
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.
@@ -40,7 +40,7 @@ def not_ready_run(tmp_path_factory):
 def chapter02_sweep(tmp_path_factory):
     """`python -m kit sweep 02 --grid block_size=16,32 --grid kv_cache_dtype=auto,fp8
     --parallel 2` on a local Ray instance, shared by the sweep and browser tests."""
-    from kit.run.sweep import sweep
+    from kit.sweep.driver import sweep
     return sweep("cpu-small", ["02"], ["block_size=16,32", "kv_cache_dtype=auto,fp8"],
                  parallel=2, out=tmp_path_factory.mktemp("sweeps"), progress=False)
 

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kit.run.report import write_compare
-from kit.run.runner import NOTEBOOKS_DIR
+from kit.pages.report import write_compare
+from kit.execute.notebooks import NOTEBOOKS_DIR
 
 pytestmark = pytest.mark.browser
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -15,8 +15,8 @@ from kit.engine.decode import blocks_needed, decode_runner, generate, make_promp
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model, summed_attention
 from kit.errors import ConfigError
-from kit.run.checkpoint import write_random_checkpoint
-from kit.run.cli import main
+from kit.cli.new_checkpoint import write_random_checkpoint
+from kit.cli.main import main
 
 SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

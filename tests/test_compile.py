@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from kit.run.cli import main
+from kit.cli.main import main
 from kit.config import STRATEGIES, load
 from kit.engine.runners import make_runner
 from kit.engine.serving_trace import decode_batch_sizes

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from kit.config import PARAMETERS, ModelConfig, load, parse_bytes
+from kit.config import PARAMETERS, ModelConfig, load
+from kit.units import parse_bytes
 from kit.errors import ConfigError
 
 # Published parameter counts of the real checkpoints these shapes come from.
@@ -103,7 +104,7 @@ def test_overrides_and_none_keep_the_preset():
 
 def test_vllm_model_folders_have_a_stable_path_per_config(tmp_path):
     """vLLM keys its compile cache by the model's path: the same config, the same folder."""
-    from kit.studies.vllm_bridge import MODELS_CACHE, cached_model_folder, write_model_folder
+    from kit.vllm.model_folder import MODELS_CACHE, cached_model_folder, write_model_folder
     tiny, other = load("cpu-small").arch, load("cpu-small", model="qwen2.5-0.5b").arch
     assert cached_model_folder(tiny) == cached_model_folder(load("cpu-small").arch)
     assert cached_model_folder(tiny) != cached_model_folder(other)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kit
-from kit.run.cli import main
+from kit.cli.main import main
 from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
 from kit.engine.decode import (blocks_needed, check_against_reference, generate,
                         make_prompts, new_batch, step_function)
@@ -16,7 +16,7 @@ from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
-from kit.measure.step_profile import GEMM, SAMPLING, profile_steps
+from kit.measure.step_breakdown import GEMM, SAMPLING, break_down_steps
 from kit.studies.decode_timing import check_request, early_fit, run_decode
 
 
@@ -277,7 +277,7 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     model, prompts, batch, _ = paged_run(a, "float32")
     batch.start(model, prompts)
     step = step_function(model)
-    parts = profile_steps(lambda: batch.step(step), 3, "cpu", "eager", a.linear_weights() * 4)
+    parts = break_down_steps(lambda: batch.step(step), 3, "cpu", "eager", a.linear_weights() * 4)
     assert parts.steps == 3 and parts.gemm_seconds > 0 and parts.sampling_seconds > 0
     assert parts.gemm_seconds + parts.sampling_seconds <= parts.profiled_seconds
     assert sum(parts.scaled(0.01).values()) == pytest.approx(0.01)
@@ -411,7 +411,7 @@ def test_the_compute_floor_uses_float32s_rate_where_16_bit_products_are_emulated
     takes the faster of the two measured rates, never the emulated one alone."""
     from types import SimpleNamespace
     from kit.studies.decode_timing import DecodeReport
-    from kit.studies.setup_check import DtypeSpeed
+    from kit.measure.dtype_speed import DtypeSpeed
     limits = SimpleNamespace(matmul_flops_per_second=2.5e9)
     emulated = SimpleNamespace(limits=limits, dtype_speed=DtypeSpeed("bfloat16", 2.5e9, 150e9))
     native = SimpleNamespace(limits=SimpleNamespace(matmul_flops_per_second=600e9),

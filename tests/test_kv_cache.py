@@ -5,8 +5,8 @@ from kit.config import ModelConfig, load
 from kit.engine.kv_cache import (KVCacheSpec, allocate_measured, estimate_activation_bytes, kv_budget,
                           layer_views, size_kv_cache, split_budget)
 from kit.errors import ConfigError
+from kit.units import GiB
 
-GiB = 2**30
 # Bytes per token, computed by hand: 2 × layers × KV heads per rank × head_dim × dtype bytes.
 BY_HAND = {
     # model: {(tp, kv_cache_dtype): bytes per token}

@@ -9,8 +9,9 @@ import pytest
 
 KIT = Path(__file__).resolve().parent.parent / "kit"
 # bottom to top; a module may import from its own layer (without cycles) and those below
-LAYERS = ["config", "measure", "engine", "studies", "show", "run"]
-BOTTOM = {"kit.config", "kit.errors"}
+LAYERS = ["config", "measure", "engine", "vllm", "studies", "show", "pages", "execute", "sweep",
+          "cli"]
+BOTTOM = {"kit.config", "kit.errors", "kit.units", "kit.results"}
 
 
 def module_name(path: Path) -> str:
@@ -60,9 +61,22 @@ def test_imports_go_down_or_across(module):
     assert not up, f"{module} imports from layers above it: {up}"
 
 
+def test_every_study_is_a_leaf():
+    """No chapter's module imports another's: what chapters share lives in the layers below."""
+    studies = {m for m in MODULES if m.startswith("kit.studies.")}
+    leaning = {m: sorted(GRAPH[m] & studies) for m in sorted(studies) if GRAPH[m] & studies}
+    assert not leaning, f"studies importing other studies: {leaning}"
+
+
+def test_no_module_name_is_used_twice():
+    """One file name, one concept: no two modules of the kit share a name."""
+    names = [m.rsplit(".", 1)[-1] for m, p in MODULES.items() if p.name != "__init__.py"]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
 def test_the_package_itself_needs_only_the_bottom_layer():
     assert GRAPH["kit"] <= BOTTOM
-    assert GRAPH["kit.__main__"] == {"kit.run.cli"}
+    assert GRAPH["kit.__main__"] == {"kit.cli.main"}
 
 
 def find_cycle(graph: dict) -> list[str] | None:
@@ -106,7 +120,7 @@ def test_settings_and_the_report_commands_start_without_torch(tmp_path):
     code = ("import sys, contextlib, io\n"
             "import kit\n"
             "assert kit.load(device='cpu').arch.name == 'tiny'\n"
-            "from kit.run.cli import main\n"
+            "from kit.cli.main import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    main(['presets'])\n"
             "print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))")

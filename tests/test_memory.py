@@ -6,8 +6,8 @@ from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, physical_memory_bytes
 from kit.measure.memory import probe_measurement
 from kit.studies.memory_profiling import check_fits, no_kv_cache_message, profile_memory
+from kit.units import GiB
 
-GiB = 2**30
 
 
 @pytest.fixture(scope="module")

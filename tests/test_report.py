@@ -6,8 +6,8 @@ import re
 import pytest
 from plotly.offline import get_plotlyjs
 
-from kit.run.cli import main
-from kit.run.report import numeric_rows, load_run, write_compare, write_report_safely
+from kit.cli.main import main
+from kit.pages.report import numeric_rows, load_run, write_compare, write_report_safely
 
 PLOTLY_HEADER = get_plotlyjs()[:120]  # the bundle's licence header, once per copy
 

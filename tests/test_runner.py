@@ -6,8 +6,8 @@ import pytest
 
 import kit
 from kit.errors import ConfigError
-from kit.run.cli import main
-from kit.run.runner import find_notebooks, parse_params, run
+from kit.cli.main import main
+from kit.execute.notebooks import find_notebooks, parse_params, run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -138,7 +138,7 @@ def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
 
 
 def test_the_machine_section_gathers_what_chapters_measured():
-    from kit.run.runner import add_measured_hardware, measured_hardware
+    from kit.execute.notebooks import add_measured_hardware, measured_hardware
     ch00 = {"results": {"copy": {"rate": 30e9},
                         "matmul": {"float32": {"rate": 70e9}, "bfloat16": {"rate": 1e9}},
                         "dtype_speeds": {"bfloat16": {"slowdown_vs_float32": 70.0}}}}
@@ -162,7 +162,7 @@ def test_the_machine_section_gathers_what_chapters_measured():
 
 
 def test_bench_suite_says_whether_this_cpus_bf16_is_native():
-    from kit.run.suite import bf16_line
+    from kit.cli.suite import bf16_line
     slow = {"cpu_isa": {"pytorch_kernels": "AVX2"},
             "measured": {"slowdown_vs_float32.bfloat16": 80.0}}
     assert bf16_line(slow) == ("PyTorch's kernels AVX2; bf16 matmuls emulated, "

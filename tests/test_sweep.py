@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from kit.errors import ConfigError
-from kit.run import grid
-from kit.run.cli import main
-from kit.run.runner import find_notebooks
-from kit.run.sweep import sweep
-from kit.run.sweep_page import at_once, curve_lines, render, seed_series, varying_numbers
+from kit.sweep import grid
+from kit.cli.main import main
+from kit.execute.notebooks import find_notebooks
+from kit.sweep.driver import sweep
+from kit.pages.sweep_page import at_once, curve_lines, render, seed_series, varying_numbers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 POINT = str(FIXTURES / "sweep_point.ipynb")  # takes seed and batch_size; fails on request
@@ -79,7 +79,7 @@ def test_large_grids_need_yes():
 
 def test_the_command_refuses_before_ray_starts(tmp_path, capsys):
     """Exit status 2, the parameter named, no sweep folder, and Ray never imported."""
-    code = ("import sys; from kit.run.cli import main; "
+    code = ("import sys; from kit.cli.main import main; "
             "code = main(sys.argv[1:]); assert 'ray' not in sys.modules; sys.exit(code)")
     cases = [(["02", "--grid", "colour=red,blue"], "unknown parameter(s) ['colour']"),
              (["02", "--grid", "block_size=16,32", "-p", "gpu_memory_utilization=2"],

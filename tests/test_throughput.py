@@ -7,10 +7,10 @@ import torch
 
 from kit.measure import throughput
 from kit.measure.device import cpu_isa, describe
-from kit.measure.roofline import fmt_flops
-from kit.measure.timing import Timings
-from kit.studies.setup_check import (SLOW_FACTOR, DtypeSpeed, dtype_note, dtype_speed_here,
+from kit.measure.dtype_speed import (SLOW_FACTOR, DtypeSpeed, dtype_note, dtype_speed_here,
                                      dtype_speeds, speed_finding)
+from kit.measure.timing import Timings
+from kit.units import fmt_flops
 
 
 def test_copy_probe_sizes_itself_within_its_limit():

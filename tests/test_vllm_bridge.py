@@ -19,7 +19,8 @@ import kit
 from kit.config import MODELS_DIR, known_names
 from kit.engine.kv_cache import KVCacheSpec
 from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
-from kit.studies.vllm_bridge import run_engine, run_settings, vllm_missing
+from kit.vllm.engine_runs import run_engine, run_settings
+from kit.vllm.installed import vllm_missing
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
@@ -117,7 +118,9 @@ def test_without_vllm_the_bridge_says_so():
     """In a fresh interpreter where `import vllm` fails (as when it is not installed)."""
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import kit\n"
-            "from kit.studies.vllm_bridge import run_engine, vllm_kv_sizing, vllm_missing\n"
+            "from kit.vllm.engine_runs import run_engine\n"
+            "from kit.vllm.installed import vllm_missing\n"
+            "from kit.vllm.kv_sizing import vllm_kv_sizing\n"
             "r = run_engine('.', 'eager')\n"
             "s = vllm_kv_sizing(kit.load().arch, 2**28, block_size=128, max_model_len=1024)\n"
             "print(vllm_missing()); print(r.error); print(s.error)")
@@ -156,7 +159,7 @@ def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
 
 
 def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
-    from kit.studies.vllm_bridge import write_model_folder
+    from kit.vllm.model_folder import write_model_folder
     if kit.load().device != "cpu":
         pytest.skip("vLLM's CPU attention is the one that takes multiples of 32 only")
     folder = write_model_folder(kit.config.ModelConfig.load("tiny"), tmp_path / "tiny")
@@ -173,8 +176,8 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
     from kit.engine.kv_cache import KVCacheSpec, allocate
     from kit.engine.model import build_model
-    from kit.run.checkpoint import write_random_checkpoint
-    from kit.studies.vllm_bridge import greedy_from_checkpoint
+    from kit.cli.new_checkpoint import write_random_checkpoint
+    from kit.vllm.greedy import greedy_from_checkpoint
     folder = write_random_checkpoint("tiny", tmp_path / "ckpt", 0, "float32")
     arch = kit.config.ModelConfig.load(str(folder))
     lengths, steps = [9, 16, 23], 7
@@ -199,7 +202,7 @@ def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kit.run.checkpoint import write_random_checkpoint
+    from kit.cli.new_checkpoint import write_random_checkpoint
     from kit.studies.token_for_token import compare_tokens, texts
     folder = write_random_checkpoint("tiny", tmp_path / "ckpt", 0, "float32")
     vocab = {f"w{i}": i for i in range(32000)}
@@ -219,7 +222,7 @@ def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
 def test_bench_vllm_times_both_sides_per_step_and_end_to_end(tmp_path, capsys):
     """`python -m kit bench vllm`: the kit and vLLM, eager and compiled, per decode step and end
     to end, in one folder (result.json, each engine's log); the ratios are the medians'."""
-    from kit.run.cli import main
+    from kit.cli.main import main
     out = tmp_path / "bench"
     rc = main(["bench", "vllm", "-p", "batch_size=2", "-p", "input_len=16", "-p", "output_len=5",
                "-p", "kv_cache_memory_bytes=64MiB", "--out", str(out)])
@@ -243,7 +246,7 @@ def test_bench_vllm_times_both_sides_per_step_and_end_to_end(tmp_path, capsys):
 
 
 def test_bench_vllm_refuses_a_run_without_a_kv_budget_before_any_work(tmp_path, capsys):
-    from kit.run.cli import main
+    from kit.cli.main import main
     rc = main(["bench", "vllm", "-p", "kv_cache_memory_bytes=None", "--out", str(tmp_path / "b")])
     assert rc == 2 and "kv_cache_memory_bytes" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
@@ -252,7 +255,7 @@ def test_bench_vllm_refuses_a_run_without_a_kv_budget_before_any_work(tmp_path, 
 def test_bench_vllm_defaults_are_chapter_05s():
     """`bench vllm` and chapter 05 start from the same block size and KV budget."""
     import papermill
-    from kit.run.bench_vllm import DEFAULTS
+    from kit.cli.bench_vllm import DEFAULTS
     params = papermill.inspect_notebook(str(kit.config.DATA.parent / "notebooks" /
                                             "05_vllm_side_by_side.ipynb"))
     for name, value in DEFAULTS.items():

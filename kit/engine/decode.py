@@ -9,7 +9,7 @@ in place, with shapes fixed by the batch size, the table's width and the positio
 reads (the batch's longest context, `max_context_len`); there is no Python control flow on their
 values. So one compiled graph, or one CUDA graph, serves every step.
 The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
-CPU once for any number and length of prompts (`prefill_runner`).
+CPU once for any number and length of prompts (`kit.engine.decode_runners`).
 
 Correctness first: `reference_logits` recomputes every step's logits over the whole sequence
 without any cache, and every strategy's logits must equal them within a tolerance by dtype.
@@ -26,36 +26,9 @@ from kit.config import TOLERANCE, Settings
 from kit.engine.block_table import BlockAllocator
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import AttentionMetadata, Decoder, attention_span
-from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
-from kit.measure.device import onednn_has_kernels, synchronize
+from kit.measure.device import synchronize
 from kit.measure.timing import StepClock
-
-# On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
-# prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers (faster at a
-# decode batch; the README gives the rates seen). The frozen copy costs one more copy of the
-# weights while the runner lives.
-CPU_FREEZING = {"freezing": True}
-# In float32 Inductor packs for oneDNN only when the batch is a symbol; with a fixed batch it
-# hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
-# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU,
-# where the products run in float32, the step's batch dimension is marked dynamic: input_ids,
-# positions, block_tables.
-CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (0,)}
-# The compiled prefill (CPU) serves every group of equal-length prompts: the number of prompts
-# and their length are symbols (input_ids' dimensions 0 and 1, slot_mapping's 0).
-PREFILL_DYNAMIC = {0: (0, 1), 1: (0,)}
-
-
-def compiled_matmul_dtype(model: Decoder, device: str) -> torch.dtype | None:
-    """The dtype the compiled runners multiply the weights in (`Decoder.multiply_in`): float32
-    for 16-bit weights on a CPU whose oneDNN has no kernels for them (`onednn_has_kernels`),
-    where a 16-bit product is emulated; None (the weights' own) everywhere else."""
-    dtype = next(model.parameters()).dtype
-    if device == "cpu" and dtype != torch.float32 and not onednn_has_kernels(dtype):
-        return torch.float32
-    return None
-
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
 
@@ -322,46 +295,3 @@ def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = Fals
     lengths = prompt_lengths(settings.batch_size, settings.input_len, mixed)
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed + seed_offset)
     return new_batch(kv_cache, lengths, settings.output_len - 1), prompts
-
-
-@torch.no_grad()
-def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
-                  strategy: str, prefill=None) -> Runner:
-    """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
-    running the first step of a fresh run of `batch` (prefilled through `prefill`, eagerly by
-    default), which is left ready for its second step.
-    Shapes are fixed by the batch (nothing marked dynamic) but on the CPU when the products run
-    in float32 (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on
-    the batch's own tensors, so no padded row ever writes. On the CPU, compiled strategies
-    freeze the weights (CPU_FREEZING), in float32 where 16-bit products are emulated
-    (`compiled_matmul_dtype`)."""
-    device = batch.kv_cache.device.type
-    matmul_dtype = compiled_matmul_dtype(model, device)
-    model.multiply_in(matmul_dtype)
-    float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
-    batch.start(model, prompts, prefill)
-    batch.make_room()
-    runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
-                         batch.step_args(),
-                         dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
-                         capture_sizes=[len(prompts)],
-                         inductor_config=CPU_FREEZING if device == "cpu" else None)
-    batch.positions.add_(1)  # the runner's first call was the step at these positions
-    return runner
-
-
-@torch.no_grad()
-def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]) -> Runner | None:
-    """The prefill compiled for the CPU (None elsewhere: it stays eager), guard-free with the
-    prompts' number and length dynamic (PREFILL_DYNAMIC) and the weights frozen, as the decode
-    step's are: one graph serves every group of equal-length prompts. Built on the batch's
-    first group, written at any slots (a run's `start` resets the cache's bookkeeping)."""
-    device = batch.kv_cache.device.type
-    if device != "cpu":
-        return None
-    model.multiply_in(compiled_matmul_dtype(model, device))
-    ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
-    slots = torch.arange(ids.numel(), device=device)
-    return make_runner(prefill_function(model), "guard_free", device,
-                       (ids.to(device), slots, batch.kv_cache), dynamic_dims=PREFILL_DYNAMIC,
-                       inductor_config=CPU_FREEZING)

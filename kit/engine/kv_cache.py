@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
 from kit.errors import ConfigError
 
-GiB = 2**30
 
 
 def memory_budget(capacity_bytes: int, gpu_memory_utilization: float) -> int:

@@ -80,11 +80,6 @@ def decode_step_cost(arch: ModelConfig, dtype_bytes: int, kv_bytes_per_token: in
         flops=2 * num_seqs * arch.linear_weights() + attention_flops)
 
 
-def fmt_flops(rate: float) -> str:
-    """FLOP/s in the unit that keeps a slow CPU's 1.0 GFLOP/s from reading as 0.00 TFLOP/s."""
-    return f"{rate / 1e12:,.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"
-
-
 def formula(cost: StepCost, bandwidth: float) -> str:
     """The floor written out with this step's numbers, for the notebook."""
     mb = 1e6

@@ -36,6 +36,10 @@ class Timings:
         return self.quantile(0.9) - self.quantile(0.1)
 
 
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def time_fn(fn, device: str, repeats: int = 20, warmup: int = 3) -> Timings:
     """Time `fn()` `repeats` times after `warmup` calls: CUDA events on GPU, a monotonic clock
     on the CPU, the device synchronized before each clock read."""

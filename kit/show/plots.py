@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-MiB = 2**20
+from kit.units import MiB
+
 COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "non-torch": "#937860",
           "KV cache": "#55a868", "unused": "#d0d0d0", "short": "#c44e52"}
 

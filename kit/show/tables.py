@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import html
 
-from kit.measure.roofline import fmt_flops
-
-
-def fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n} B"
+from kit.units import fmt_bytes, fmt_flops
 
 
 class Table:

@@ -8,9 +8,9 @@ from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
 from kit.show.plots import kv_calculator as calculator_figure
-from kit.studies.kv_cache import calculate
+from kit.studies.kv_cache_sizing import calculate
+from kit.units import GiB
 
-GiB = 2**30
 
 
 MAX_MODEL_LENS = [2**k for k in range(7, 18)]

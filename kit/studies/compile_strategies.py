@@ -21,6 +21,7 @@ import torch
 
 from kit.config import TOLERANCE, Settings, reference
 from kit.engine.kv_cache import KVCacheSpec, memory_budget, size_kv_cache
+from kit.engine.memory_profile import check_fits, profile_batch, profile_run
 from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
 from kit.engine.serving_trace import decode_batch_sizes
@@ -29,7 +30,6 @@ from kit.measure.device import capacity_bytes
 from kit.measure.memory import cuda_usage
 from kit.measure.timing import (cache_lookup_seconds, interleaved_timings, paired_difference,
                                 per_round_best)
-from kit.studies.memory_profiling import check_fits, profile_batch, profile_run
 
 
 @dataclass(frozen=True)

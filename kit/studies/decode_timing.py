@@ -15,29 +15,28 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kit.config import Settings, reference
 from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
-                               decode_inputs, decode_runner, generate, kv_cache_for,
-                               prefill_runner, prompt_lengths)
+                               decode_inputs, generate, kv_cache_for, prompt_lengths)
+from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
+from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
 from kit.errors import ConfigError
-from kit.measure.device import capacity_bytes, cpu_kind, describe, synchronize, versions
-from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, fmt_flops,
+from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
+from kit.measure.dtype_speed import DtypeSpeed
+from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth, matmul_throughput
-from kit.measure.step_profile import StepBreakdown, profile_steps
+from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
-from kit.studies.memory_profiling import profile_run, recorded_eager_kv_bytes
-from kit.studies.setup_check import DtypeSpeed
+from kit.units import GiB, fmt_flops
 
-GiB = 2**30
-PROFILED_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
+BREAKDOWN_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
 RESAMPLE_SECONDS = 0.5  # the copy measured again after each round of timed runs
 
 
@@ -125,59 +124,14 @@ class StrategyTiming:
                 "breakdown": self.breakdown.summary() if self.breakdown else None}
 
 
-class SharedPrefill:
-    """The prefill every compiled strategy uses: on the CPU one compiled prefill
-    (`prefill_runner`), built when the first of them asks and shared, since the strategies
-    differ in how they run the step, not the prefill; eager elsewhere and for the eager
-    strategy (None). `discard()` frees it."""
-
-    def __init__(self, model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
-                 progress=None):
-        self.model, self.batch, self.prompts, self.progress = model, batch, prompts, progress
-        self.runner = None
-
-    def for_strategy(self, strategy: str):
-        on_cpu = self.batch.kv_cache.device.type == "cpu"
-        if strategy == "eager" or not on_cpu:
-            return None
-        if self.runner is None:
-            self.say("compiling the prefill (shared by the compiled strategies) ...")
-            self.runner = prefill_runner(self.model, self.batch, self.prompts)
-            self.say(f"  {self.runner.compile_seconds:.2f} s")
-        return self.runner
-
-    def say(self, line: str) -> None:
-        if self.progress is not None:
-            self.progress(line)
-
-    def discard(self) -> None:
-        if self.runner is not None:
-            self.runner.discard()
-
-
-@torch.no_grad()
-def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
-            strategy: str, prefill=None, warmup_steps: int = 2):
-    """A throw-away run (prefilled through `prefill`, eagerly by default) that builds
-    `strategy`'s runner of the step (compiling, or capturing a CUDA graph) and runs a few
-    steps; returns the runner and the run's seconds."""
-    device = batch.kv_cache.device.type
-    t0 = time.perf_counter()
-    runner = decode_runner(model, batch, prompts, strategy, prefill)
-    for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
-        batch.step(runner)
-    synchronize(device)
-    return runner, time.perf_counter() - t0
-
-
 def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
                     steps: int, strategies, dtype: str, num_iters: int,
                     progress=print, after_round=None,
-                    profiled_steps: int = PROFILED_STEPS) -> dict[str, StrategyTiming]:
+                    breakdown_steps: int = BREAKDOWN_STEPS) -> dict[str, StrategyTiming]:
     """Warm every strategy up, then `num_iters` rounds in which each strategy in turn runs
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
     whichever ran at the time; `after_round` is called after each round. The first timed run
-    of each is checked against the reference; then `profiled_steps` more steps of each are
+    of each is checked against the reference; then `breakdown_steps` more steps of each are
     profiled (none: no breakdown). The compiled strategies prefill through `SharedPrefill`."""
     runners, timings, prefills = {}, {}, {}
     shared = SharedPrefill(model, batch, prompts, progress)
@@ -202,17 +156,17 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
                 timings[name].correctness = check_against_reference(model, prompts, run, dtype)
         if after_round is not None:
             after_round()
-    if profiled_steps:
-        progress("profiling a few steps of each strategy (where the time goes) ...")
+    if breakdown_steps:
+        progress("breaking a few steps of each strategy down (where the time goes) ...")
     device = batch.kv_cache.device.type
     for name, runner in runners.items():
-        if profiled_steps:
+        if breakdown_steps:
             batch.start(model, prompts, prefills[name])
             weight_bytes = streamed_weight_bytes(model, None if name == "eager"
                                                  else model.matmul_dtype)
-            timings[name].breakdown = profile_steps(lambda r=runner: batch.step(r),
-                                                    min(profiled_steps, steps), device, name,
-                                                    weight_bytes)
+            timings[name].breakdown = break_down_steps(lambda r=runner: batch.step(r),
+                                                       min(breakdown_steps, steps), device, name,
+                                                       weight_bytes)
         runner.discard()
     shared.discard()
     return timings

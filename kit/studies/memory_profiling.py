@@ -1,88 +1,15 @@
-"""Chapter 01, memory profiling as vLLM does it: load the weights, run one forward at
-`max_num_batched_tokens` (plus the logits of one token per sequence, as the sampler would), and
-take the peak. What is left of capacity × gpu_memory_utilization after weights, peak
-activations and non-torch memory is the KV cache budget.
-
-The profile runs eagerly, or compiled through a runner (`kit.engine.runners`) whose compilation
-is thrown away afterwards with `discard()`, as the seed does. Chapters 02 (the budget), 03 (each
-plan's profile) and 04 (the decode budget) use the same profile.
+"""Chapter 01, memory profiling as vLLM does it (`kit.engine.memory_profile`: the profile run,
+eager and compiled): what each profile leaves the KV cache, in blocks, and the compiled
+profile against the eager one beside the numbers of vLLM #7796.
 """
 from __future__ import annotations
 
-import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
-from kit.config import ModelConfig, Settings, parse_bytes, reference
-from kit.engine.kv_cache import KVCacheSpec, memory_budget
-from kit.engine.model import Decoder, build_model, dummy_batch, weights_bytes
-from kit.engine.runners import Runner, make_runner
-from kit.errors import ConfigError
-from kit.measure.device import capacity_bytes
-from kit.measure.memory import cuda_usage, measure_allocations, non_torch_bytes
-
-GiB = 2**30
-# The chapter's two profiles, and the strategy that runs each one's profiling forward.
-PROFILES = {"eager": "eager", "compiled": "stock"}
-
-
-@dataclass
-class MemoryProfile:
-    """What one profiling run measured, in bytes. `kv_cache_bytes` is what vLLM would give the
-    KV cache: budget - weights - peak activations - non-torch."""
-
-    name: str
-    device: str
-    num_tokens: int
-    num_seqs: int
-    weights_bytes: int
-    input_bytes: int
-    peak_activation_bytes: int
-    non_torch_bytes: int | None
-    capacity_bytes: int
-    gpu_memory_utilization: float
-    compile_seconds: float
-    forward_seconds: float
-    timeline_ms: list[float] = field(repr=False, default_factory=list)
-    timeline_bytes: list[int] = field(repr=False, default_factory=list)
-    timeline_ops: list[str] = field(repr=False, default_factory=list)
-
-    @property
-    def budget_bytes(self) -> int:
-        return memory_budget(self.capacity_bytes, self.gpu_memory_utilization)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.weights_bytes + self.input_bytes + self.peak_activation_bytes
-
-    @property
-    def non_kv_cache_bytes(self) -> int:
-        return self.weights_bytes + self.peak_activation_bytes + (self.non_torch_bytes or 0)
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.budget_bytes - self.non_kv_cache_bytes
-
-    def summary(self) -> dict:
-        keys = ("name", "device", "num_tokens", "num_seqs", "weights_bytes", "input_bytes",
-                "peak_activation_bytes", "non_torch_bytes", "capacity_bytes",
-                "gpu_memory_utilization", "budget_bytes", "kv_cache_bytes", "compile_seconds",
-                "forward_seconds")
-        return {k: getattr(self, k) for k in keys}
-
-
-def check_fits(settings: Settings) -> None:
-    """Refuse before loading anything when the weights alone exceed the budget."""
-    need = settings.arch.num_parameters() * settings.dtype_bytes
-    budget = memory_budget(capacity_bytes(settings.device, settings.device_memory),
-                           settings.gpu_memory_utilization)
-    if need >= budget:
-        raise ConfigError(
-            f"{settings.arch.name} needs {need / GiB:.2f} GiB of weights in {settings.dtype}, "
-            f"but the budget (capacity × gpu_memory_utilization) is {budget / GiB:.2f} GiB: "
-            f"{(need - budget) / GiB:.2f} GiB missing. Raise device_memory or "
-            "gpu_memory_utilization, or pick a smaller model.")
+from kit.config import ModelConfig, Settings, reference
+from kit.engine.kv_cache import KVCacheSpec
+from kit.engine.memory_profile import MemoryProfile
+from kit.units import parse_bytes
 
 
 def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dict:
@@ -91,98 +18,6 @@ def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dic
     per_block = KVCacheSpec.from_settings(settings).bytes_per_block
     return {**{name: max(0, p.kv_cache_bytes) // per_block for name, p in profiles.items()},
             "block_size": settings.block_size, "bytes_per_block": per_block}
-
-
-def no_kv_cache_message(p: MemoryProfile) -> str:
-    return (f"No available memory for the cache blocks: the budget of {p.budget_bytes / GiB:.2f} "
-            f"GiB is {-p.kv_cache_bytes / GiB:.2f} GiB short of weights + peak activations"
-            f"{' + non-torch memory' if p.non_torch_bytes else ''} "
-            f"({p.non_kv_cache_bytes / GiB:.2f} GiB). Raise gpu_memory_utilization or "
-            "device_memory, or lower max_num_batched_tokens.")
-
-
-def profile_batch(settings: Settings) -> torch.Tensor:
-    """The profiling run's input ids: max_num_batched_tokens over up to max_num_seqs sequences."""
-    return dummy_batch(settings.max_num_batched_tokens, settings.max_num_seqs,
-                       settings.arch.vocab_size, settings.device, settings.seed)
-
-
-def profile_run(model: Decoder, settings: Settings, name: str, weights: int,
-                before=None, runner: Runner | None = None) -> MemoryProfile:
-    """Profile one forward of `model` at max_num_batched_tokens, and the sampler's logits,
-    through `runner` (already warm; its first call compiled it) or eagerly without one. `name`
-    names the result; `before` is `cuda_usage()` taken before the model existed (GPU)."""
-    device, step = settings.device, runner or model.forward
-    ids = profile_batch(settings)
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-    def forward():
-        hidden = step(ids)
-        model.compute_logits(hidden[:, -1])  # the sampler's share: one position per sequence
-    measured = measure_allocations(forward, device)
-    return MemoryProfile(
-        name=name, device=device, num_tokens=ids.numel(), num_seqs=ids.shape[0],
-        weights_bytes=weights, input_bytes=ids.numel() * ids.element_size(),
-        peak_activation_bytes=measured.peak_bytes,
-        non_torch_bytes=non_torch_bytes(device, before),
-        capacity_bytes=capacity_bytes(device, settings.device_memory),
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        compile_seconds=runner.compile_seconds if runner else 0.0,
-        forward_seconds=measured.seconds, timeline_ms=measured.timeline_ms,
-        timeline_bytes=measured.timeline_bytes, timeline_ops=measured.timeline_ops)
-
-
-def profile_memory(settings: Settings, profiles: dict = PROFILES) -> dict[str, MemoryProfile]:
-    """Load the model once and profile it each way (`profiles`: name -> strategy), side by side
-    in one process. A compiled profile's runner compiles first (its time reported apart) and is
-    discarded after its measurement: the profiling compilation is thrown away, as in the seed."""
-    check_fits(settings)
-    gc.collect()
-    before = cuda_usage() if settings.device == "cuda" else None
-    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    weights = weights_bytes(model)
-    results = {}
-    with torch.inference_mode():
-        for name, strategy in profiles.items():
-            runner = None if strategy == "eager" else make_runner(
-                model.forward, strategy, settings.device, (profile_batch(settings),))
-            results[name] = profile_run(model, settings, name, weights, before, runner)
-            if runner is not None:
-                runner.discard()
-    return results
-
-
-# The settings a memory profile depends on.
-PROFILE_KEYS = ("model", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
-                "gpu_memory_utilization", "device_memory", "seed")
-
-
-def recorded_profiles(settings: Settings, recorded: dict | None) -> dict[str, dict] | None:
-    """Chapter 01's profile summaries from its record (`recorded`), if it profiled these
-    settings; else None."""
-    if recorded is None:
-        return None
-    same = all(recorded["settings"].get(k) == getattr(settings, k) for k in PROFILE_KEYS)
-    if same and all(name in recorded["results"] for name in PROFILES):
-        return {name: recorded["results"][name] for name in PROFILES}
-    return None
-
-
-def recorded_eager_kv_bytes(settings: Settings, recorded: dict | None) -> int | None:
-    """What chapter 01's recorded eager profile left the KV cache, for these settings."""
-    profiles = recorded_profiles(settings, recorded)
-    return None if profiles is None else profiles["eager"]["kv_cache_bytes"]
-
-
-def recorded_or_measured(settings: Settings, recorded: dict | None) -> tuple[dict[str, dict], str]:
-    """Chapter 01's profile summaries for these settings: from `recorded` (chapter 01's record
-    in this run's folder, or None) when it holds them for the same settings, else measured now."""
-    profiles = recorded_profiles(settings, recorded)
-    if profiles is not None:
-        return profiles, f"read from {recorded['chapter']}.json"
-    return {k: p.summary() for k, p in profile_memory(settings).items()}, "measured now"
 
 
 @dataclass

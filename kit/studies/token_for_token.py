@@ -20,7 +20,8 @@ from kit.engine.checkpoint import write_checkpoint
 from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch, prompt_lengths
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model
-from kit.studies.vllm_bridge import MODELS_CACHE, cached_model_folder, greedy_from_checkpoint
+from kit.vllm.greedy import greedy_from_checkpoint
+from kit.vllm.model_folder import MODELS_CACHE, cached_model_folder
 
 CHECKPOINTS = MODELS_CACHE.parent / "checkpoints"
 BLOCK_SIZE = 128  # vLLM's CPU attention takes multiples of 32; the kit's decode any size

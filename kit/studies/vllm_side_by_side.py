@@ -1,10 +1,10 @@
 """Chapter 05: the kit's numbers beside the real vLLM's, for the same config and KV budget.
 
 - KV blocks: the kit's arithmetic (`kit.engine.kv_cache`) against vLLM's own KV cache code
-  (`kit.studies.vllm_bridge.vllm_kv_sizing`, no engine) for any model, budget, block size and
+  (`kit.vllm.kv_sizing.vllm_kv_sizing`, no engine) for any model, budget, block size and
   cache dtype; and against a started engine for the chapter's model.
 - Decode step time and end to end: the kit's decode loop (`KitTurns`, chapter 04's paged
-  decode) against vLLM's engine loop (`kit.studies.vllm_bridge.run_settings`), eager and
+  decode) against vLLM's engine loop (`kit.vllm.engine_runs.run_settings`), eager and
   compiled, taking turns generation by generation (`side_by_side`).
 """
 from __future__ import annotations
@@ -13,15 +13,17 @@ import itertools
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from kit.config import ModelConfig, load, parse_bytes
+from kit.config import ModelConfig, load
 from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
                                kv_cache_for, prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
 from kit.engine.model import build_model
 from kit.errors import ConfigError
-from kit.studies.decode_timing import SharedPrefill, warm_up
-from kit.studies.vllm_bridge import (DECODE_STEPS, MODES, EngineRun, VLLMKVSizing, median_or_none,
-                                     run_settings, vllm_kv_sizing)
+from kit.engine.decode_runners import SharedPrefill, warm_up
+from kit.measure.timing import median_or_none
+from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
+from kit.vllm.kv_sizing import VLLMKVSizing, vllm_kv_sizing
+from kit.units import parse_bytes
 
 
 @dataclass

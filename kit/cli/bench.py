@@ -1,21 +1,21 @@
 """The benchmarks, `python -m kit bench compile|decode|suite|vllm`: chapter 03's and chapter
 04's measurements without a notebook, printed and written as JSON, the whole suite timed through
-the runner (kit/run/suite.py), and chapter 05's decode beside vLLM (kit/run/bench_vllm.py).
+the runner (kit/cli/suite.py), and chapter 05's decode beside vLLM (kit/cli/bench_vllm.py).
 Speed targets live here and in those modules, reported, never asserted in tests. The studies
 are imported when a benchmark runs, so the other commands start without torch.
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import sys
 from pathlib import Path
 
-from kit.config import DATA, DEFAULT_PRESET, load
-from kit.measure.roofline import fmt_flops
-from kit.run.runner import parse_params
-from kit.run.bench_vllm import add_vllm_cli
-from kit.run.suite import add_suite_cli
+from kit.cli.bench_vllm import add_vllm_cli
+from kit.cli.suite import add_suite_cli
+from kit.config import DEFAULT_PRESET, load
+from kit.execute.notebooks import parse_params
+from kit.results import bench_output
+from kit.units import fmt_flops
 
 
 def add_cli(sub) -> None:
@@ -73,8 +73,7 @@ def bench_decode(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = run_decode(settings, progress=lambda m: print(m, flush=True))
-    out = args.out or DATA.parent / "runs" / "bench" / \
-        f"decode-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}.json"
+    out = args.out or bench_output("decode", args.preset, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.summary(), indent=1, default=str))
     print()

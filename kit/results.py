@@ -1,4 +1,5 @@
-"""Recorded results and checks: what every chapter leaves behind for the runner to collect.
+"""Recorded results and checks: what every chapter leaves behind for `python -m kit run` to
+collect, and the run folders they go to (named here, and only here).
 
 A notebook makes one `Recorder`, records numbers and checks as it goes (each written to disk at
 once, so results survive a failure later in the notebook) and calls `finish()` last, which
@@ -6,6 +7,7 @@ shows the checks and raises if one failed, so papermill marks the notebook as fa
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -14,10 +16,34 @@ from pathlib import Path
 from kit.config import DATA
 
 RUN_DIR_ENV = "KIT_RUN_DIR"
+BENCH_DIR = DATA.parent / "runs" / "bench"
+
+
+def now_stamp() -> str:
+    """The time in a run folder's name: 20261203-211500."""
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def new_run_dir(root: Path, preset: str, prefix: str = "") -> Path:
+    """A new folder `<prefix><stamp>-<preset>` under `root` (a number added if taken)."""
+    stamp = now_stamp()
+    for i in range(1000):
+        path = root / (f"{prefix}{stamp}-{preset}" + (f"-{i}" if i else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {root}")
+
+
+def bench_output(kind: str, preset: str, suffix: str = "") -> Path:
+    """Where a benchmark writes by default: runs/bench/<kind>-<stamp>-<preset><suffix>."""
+    return BENCH_DIR / f"{kind}-{now_stamp()}-{preset}{suffix}"
 
 
 def run_dir() -> Path:
-    """The runner's run folder (it sets KIT_RUN_DIR), else runs/interactive for JupyterLab."""
+    """The run folder `python -m kit run` set (KIT_RUN_DIR), else runs/interactive for JupyterLab."""
     path = Path(os.environ.get(RUN_DIR_ENV) or DATA.parent / "runs" / "interactive")
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -5,14 +5,13 @@ below are printed beside the numbers, never asserted.
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import time
 from pathlib import Path
 
-from kit.config import DATA
-from kit.run.runner import find_notebooks, parse_params, run
+from kit.execute.notebooks import find_notebooks, parse_params, run
+from kit.results import bench_output
 
 # The whole suite on cpu-small, on a 2-core CPU without native bf16 (the machine described in
 # the README), with Inductor's cache empty (cold) or filled by an earlier run (warm).
@@ -71,7 +70,7 @@ def bf16_line(machine: dict) -> str:
     kernels = f"PyTorch's kernels {isa.get('pytorch_kernels', '?')}"
     if slowdown is None:
         return f"{kernels}; bf16 matmul speed not measured in this run (chapter 00 measures it)"
-    from kit.studies.setup_check import SLOW_FACTOR
+    from kit.measure.dtype_speed import SLOW_FACTOR
     state = "emulated" if slowdown > SLOW_FACTOR else "native"
     return f"{kernels}; bf16 matmuls {state}, at {1 / slowdown:,.2f}× float32's FLOP/s"
 
@@ -99,8 +98,7 @@ def bench_suite(args) -> int:
     summary = json.loads((folder / "summary.json").read_text())
     result = suite_result(summary, folder, cache, whole_suite)
     result["command_seconds"] = round(time.perf_counter() - t0, 2)
-    out = args.out or DATA.parent / "runs" / "bench" / \
-        f"suite-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}.json"
+    out = args.out or bench_output("suite", args.preset, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"\n{suite_table(result)}\nwrote {out}")

@@ -6,9 +6,9 @@ matrix products read every weight once per step, so their time alone gives the r
 the device's matrix library streams weights at this batch size: the ceiling for any strategy
 built on that library (the README gives the rates seen).
 
-The profiled steps are extra steps, run after the timed ones; profiling slows a step (each
-oneDNN call by about a third on the CPU here), so the parts are reported as shares of the
-profiled step and as milliseconds scaled to the timed median, and so is the matmuls' rate.
+The steps broken down are extra steps, run after the timed ones; torch.profiler slows a step
+(each oneDNN call by about a third on the CPU here), so the parts are reported as shares of the
+step under the profiler and as milliseconds scaled to the timed median, and so is the matmuls' rate.
 """
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def split_events(events, device: str) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def profile_steps(step, steps: int, device: str, strategy: str,
-                  gemm_weight_bytes: int) -> StepBreakdown:
+def break_down_steps(step, steps: int, device: str, strategy: str,
+                     gemm_weight_bytes: int) -> StepBreakdown:
     """`steps` calls of `step()` (one decode step each) under torch.profiler, split into parts;
     `gemm_weight_bytes`: what the weight matmuls of one step read."""
     from torch.profiler import ProfilerActivity, profile

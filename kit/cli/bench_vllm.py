@@ -8,14 +8,14 @@ vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed, never as
 """
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 from pathlib import Path
 
-from kit.config import DATA, load
+from kit.config import load
 from kit.errors import ConfigError
-from kit.run.runner import parse_params
+from kit.execute.notebooks import parse_params
+from kit.results import bench_output
 
 # What chapter 05's parameters default to where the preset's values do not suit vLLM's CPU
 # backend: a block size that is a multiple of 32 (its CPU default) and a fixed KV budget.
@@ -42,28 +42,28 @@ def bench_vllm(args) -> int:
     not start, or the kit's logits left the no-cache reference's tolerance)."""
     from kit.measure.device import describe, versions
     from kit.show.tables import Table
-    from kit.studies import vllm_bridge as vb, vllm_side_by_side as sbs
+    from kit.studies import vllm_side_by_side
+    from kit.vllm.installed import vllm_missing, vllm_version
     settings = settings_for(args.preset, args.param)
-    sbs.chapter_budget(settings)
-    missing = vb.vllm_missing()
+    vllm_side_by_side.chapter_budget(settings)
+    missing = vllm_missing()
     if missing:
         raise ConfigError(missing)
-    folder = args.out or DATA.parent / "runs" / "bench" / \
-        f"vllm-{dt.datetime.now():%Y%m%d-%H%M%S}-{args.preset}"
+    folder = args.out or bench_output("vllm", args.preset)
     folder.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     print(f"kit: {settings.arch.name} {settings.dtype}, batch {settings.batch_size}, "
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
-    kit, runs = sbs.side_by_side(settings, folder, progress=lambda m: print(m, flush=True))
-    comparisons = sbs.decode_comparison(kit, {m: r for m, r in runs.items() if r.ok})
+    kit, runs = vllm_side_by_side.side_by_side(settings, folder, progress=lambda m: print(m, flush=True))
+    comparisons = vllm_side_by_side.decode_comparison(kit, {m: r for m, r in runs.items() if r.ok})
     result = {"preset": args.preset, "parameters": parse_params(args.param),
               "settings": settings.as_dict(),
               "machine": describe(settings.device),
-              "versions": versions(), "vllm_version": vb.vllm_version(),
+              "versions": versions(), "vllm_version": vllm_version(),
               "decode": [c.row() for c in comparisons],
               "end_to_end": [c.end_to_end_row() for c in comparisons],
-              "best_step_ratio": sbs.best_ratio(comparisons),
-              "best_end_to_end_ratio": sbs.best_ratio(comparisons, end_to_end=True),
+              "best_step_ratio": vllm_side_by_side.best_ratio(comparisons),
+              "best_end_to_end_ratio": vllm_side_by_side.best_ratio(comparisons, end_to_end=True),
               "kit": {m: {"strategy": k.strategy, "error": k.error, "step_seconds": k.step_seconds,
                           "compile_seconds": k.compile_seconds, "prefills": k.prefills,
                           "generations": k.generations, "prefill_seconds": k.prefill_seconds,

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from kit.config import DEFAULT_PRESET, PRESETS_DIR, known_names, read_preset
 from kit.errors import ConfigError
-from kit.run import grid as grids
-from kit.run.progress import CLEAR_LINE, fit
-from kit.run.report import flatten, is_number
-from kit.run.runner import (describe_failure, find_notebooks, kernel_env, new_run_dir,
-                            parse_params)
-from kit.run.sweep_page import SWEEP_FILE, load_sweep, write_page
+from kit.execute.notebooks import describe_failure, find_notebooks, kernel_env, parse_params
+from kit.execute.progress import CLEAR_LINE, fit
+from kit.pages.html import flatten, is_number
+from kit.pages.sweep_page import SWEEP_FILE, load_sweep, write_page
+from kit.results import new_run_dir
+from kit.sweep import grid as grids
 
 POINT_LOG = "sweep-point.log"  # the point's `python -m kit run` output, in its run folder
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kit.config import load
 from kit.errors import ConfigError
-from kit.run.runner import notebook_parameters
+from kit.execute.notebooks import notebook_parameters
 
 MAX_POINTS = 32  # more than this needs --yes (or --max-points)
 

@@ -1,4 +1,4 @@
-"""`sweep.html`: one offline page for a sweep folder (kit/run/sweep.py), like the run report.
+"""`sweep.html`: one offline page for a sweep folder (kit/sweep/driver.py), like the run report.
 
 The points as a table (failed ones first, each linking to its run's report), how the sweep ran
 (where, how many points at once, on which node), and for every recorded number that varies a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kit.config import reference
 from kit.errors import ConfigError
-from kit.run.report import Figures, esc, key_values, page, table
+from kit.pages.html import Figures, esc, key_values, page, table
 
 SWEEP_FILE = "sweep.json"
 

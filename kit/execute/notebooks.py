@@ -6,14 +6,13 @@
 Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
 each chapter's recorded results and checks (JSON), its figures, `summary.json` with the
 parameters, device and versions, `kernel.log` (the kernels' output and the libraries' logs,
-kit/run/runlog.py) and `report.html` (kit/run/report.py). On a terminal each notebook has one
-live line (kit/run/progress.py). A failing notebook does not stop the others; the summary names
+kit/execute/runlog.py) and `report.html` (kit/pages/report.py). On a terminal each notebook has one
+live line (kit/execute/progress.py). A failing notebook does not stop the others; the summary names
 its failing cell. The exit status is non-zero when any notebook or check failed.
 """
 from __future__ import annotations
 
 import ast
-import datetime as dt
 import json
 import os
 import sys
@@ -22,9 +21,9 @@ from pathlib import Path
 
 from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
-from kit.run.progress import Progress
-from kit.run.results import RUN_DIR_ENV
-from kit.run.runlog import LOG_NAME, RunLog
+from kit.execute.progress import Progress
+from kit.results import RUN_DIR_ENV, new_run_dir
+from kit.execute.runlog import LOG_NAME, RunLog
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
@@ -79,19 +78,6 @@ def validate(preset: str, notebooks: list[Path], params: dict) -> dict[Path, set
     return declared
 
 
-def new_run_dir(root: Path, preset: str, prefix: str = "") -> Path:
-    """A new folder `<prefix><stamp>-<preset>` under `root` (a number added if taken)."""
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        path = root / (f"{prefix}{stamp}-{preset}" + (f"-{i}" if i else ""))
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise RuntimeError(f"could not create a new run folder under {root}")
-
-
 def kernel_env() -> dict:
     """The kernels' environment: this process's, with this kit's folder first on PYTHONPATH, so
     a kernel imports the kit that runs it, not another checkout installed in the same venv."""
@@ -104,7 +90,7 @@ def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progre
     `progress`); return its status (and failing cell) plus its recorded results."""
     import papermill
 
-    from kit.run.engine import ENGINE_NAME, Watch
+    from kit.execute.watch import ENGINE_NAME, Watch
     out = run / nb.name
     t0 = time.perf_counter()
     status = {"notebook": nb.stem, "executed": str(out), "ok": True, "error": None}
@@ -237,7 +223,7 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     animate = progress and not verbose and sys.stdout.isatty()
     run_notebooks(notebooks, run_path, nb_params, summary, animate, verbose)
     print_summary(summary["notebooks"], run_path)
-    from kit.run.report import write_report_safely
+    from kit.pages.report import write_report_safely
     write_report_safely(run_path)  # never changes the exit status
     return (0 if all(s["ok"] for s in summary["notebooks"]) else 1), run_path
 

@@ -1,4 +1,4 @@
-"""`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (the runner),
+"""`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (notebooks headless),
 `report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks),
 `checkpoint` (a random-weight checkpoint folder), `sweep` (a grid of runs, on Ray). Nothing
 here imports torch or Ray: the commands that need them import them when they run."""
@@ -8,9 +8,12 @@ import argparse
 import sys
 
 from kit.errors import ConfigError
-from kit.run import bench, checkpoint, report, runner, sweep
+from kit.cli import bench, new_checkpoint
+from kit.execute import notebooks
+from kit.pages import report
+from kit.sweep import driver
 
-COMMAND_MODULES = [runner, report, bench, checkpoint, sweep]
+COMMAND_MODULES = [notebooks, report, bench, new_checkpoint, driver]
 
 
 def main(argv=None) -> int:

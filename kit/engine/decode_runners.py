@@ -1,0 +1,129 @@
+"""Building the decode runs' runners (chapters 04, 05): the decode step's runner for a strategy
+(`decode_runner`), the CPU's compiled prefill (`prefill_runner`, shared by every compiled
+strategy through `SharedPrefill`), and a throw-away run that warms a strategy up (`warm_up`).
+Which dtype compiled code multiplies in, and which dimensions it keeps symbolic, is decided
+here, per device (the README gives the rates behind each choice).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kit.engine.decode import PagedBatch, prefill_function, step_function
+from kit.engine.model import Decoder
+from kit.engine.runners import Runner, make_runner
+from kit.measure.device import onednn_has_kernels, synchronize
+
+# On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
+# prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers (faster at a
+# decode batch; the README gives the rates seen). The frozen copy costs one more copy of the
+# weights while the runner lives.
+CPU_FREEZING = {"freezing": True}
+# In float32 Inductor packs for oneDNN only when the batch is a symbol; with a fixed batch it
+# hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
+# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU,
+# where the products run in float32, the step's batch dimension is marked dynamic: input_ids,
+# positions, block_tables.
+CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (0,)}
+# The compiled prefill (CPU) serves every group of equal-length prompts: the number of prompts
+# and their length are symbols (input_ids' dimensions 0 and 1, slot_mapping's 0).
+PREFILL_DYNAMIC = {0: (0, 1), 1: (0,)}
+
+
+def compiled_matmul_dtype(model: Decoder, device: str) -> torch.dtype | None:
+    """The dtype the compiled runners multiply the weights in (`Decoder.multiply_in`): float32
+    for 16-bit weights on a CPU whose oneDNN has no kernels for them (`onednn_has_kernels`),
+    where a 16-bit product is emulated; None (the weights' own) everywhere else."""
+    dtype = next(model.parameters()).dtype
+    if device == "cpu" and dtype != torch.float32 and not onednn_has_kernels(dtype):
+        return torch.float32
+    return None
+
+
+@torch.no_grad()
+def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                  strategy: str, prefill=None) -> Runner:
+    """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
+    running the first step of a fresh run of `batch` (prefilled through `prefill`, eagerly by
+    default), which is left ready for its second step.
+    Shapes are fixed by the batch (nothing marked dynamic) but on the CPU when the products run
+    in float32 (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on
+    the batch's own tensors, so no padded row ever writes. On the CPU, compiled strategies
+    freeze the weights (CPU_FREEZING), in float32 where 16-bit products are emulated
+    (`compiled_matmul_dtype`)."""
+    device = batch.kv_cache.device.type
+    matmul_dtype = compiled_matmul_dtype(model, device)
+    model.multiply_in(matmul_dtype)
+    float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
+    batch.start(model, prompts, prefill)
+    batch.make_room()
+    runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
+                         batch.step_args(),
+                         dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
+                         capture_sizes=[len(prompts)],
+                         inductor_config=CPU_FREEZING if device == "cpu" else None)
+    batch.positions.add_(1)  # the runner's first call was the step at these positions
+    return runner
+
+
+@torch.no_grad()
+def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]) -> Runner | None:
+    """The prefill compiled for the CPU (None elsewhere: it stays eager), guard-free with the
+    prompts' number and length dynamic (PREFILL_DYNAMIC) and the weights frozen, as the decode
+    step's are: one graph serves every group of equal-length prompts. Built on the batch's
+    first group, written at any slots (a run's `start` resets the cache's bookkeeping)."""
+    device = batch.kv_cache.device.type
+    if device != "cpu":
+        return None
+    model.multiply_in(compiled_matmul_dtype(model, device))
+    ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
+    slots = torch.arange(ids.numel(), device=device)
+    return make_runner(prefill_function(model), "guard_free", device,
+                       (ids.to(device), slots, batch.kv_cache), dynamic_dims=PREFILL_DYNAMIC,
+                       inductor_config=CPU_FREEZING)
+
+
+class SharedPrefill:
+    """The prefill every compiled strategy uses: on the CPU one compiled prefill
+    (`prefill_runner`), built when the first of them asks and shared, since the strategies
+    differ in how they run the step, not the prefill; eager elsewhere and for the eager
+    strategy (None). `discard()` frees it."""
+
+    def __init__(self, model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
+                 progress=None):
+        self.model, self.batch, self.prompts, self.progress = model, batch, prompts, progress
+        self.runner = None
+
+    def for_strategy(self, strategy: str):
+        on_cpu = self.batch.kv_cache.device.type == "cpu"
+        if strategy == "eager" or not on_cpu:
+            return None
+        if self.runner is None:
+            self.say("compiling the prefill (shared by the compiled strategies) ...")
+            self.runner = prefill_runner(self.model, self.batch, self.prompts)
+            self.say(f"  {self.runner.compile_seconds:.2f} s")
+        return self.runner
+
+    def say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
+
+    def discard(self) -> None:
+        if self.runner is not None:
+            self.runner.discard()
+
+
+@torch.no_grad()
+def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
+            strategy: str, prefill=None, warmup_steps: int = 2):
+    """A throw-away run (prefilled through `prefill`, eagerly by default) that builds
+    `strategy`'s runner of the step (compiling, or capturing a CUDA graph) and runs a few
+    steps; returns the runner and the run's seconds."""
+    device = batch.kv_cache.device.type
+    t0 = time.perf_counter()
+    runner = decode_runner(model, batch, prompts, strategy, prefill)
+    for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
+        batch.step(runner)
+    synchronize(device)
+    return runner, time.perf_counter() - t0

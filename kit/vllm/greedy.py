@@ -1,0 +1,42 @@
+"""vLLM's greedy tokens from a checkpoint's real weights (chapter 05's token-for-token comparison)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kit.vllm.engine_runs import keep_torch_threads, shutdown
+from kit.vllm.installed import in_process
+
+@dataclass
+class GreedyRun:
+    """vLLM's greedy tokens for each prompt, from a checkpoint's real weights, and the
+    log-probability vLLM gave each chosen token."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: int,
+                           dtype: str = "float32", block_size: int = 128) -> GreedyRun:
+    """Start `vllm.LLM` eagerly on a checkpoint folder (its real weights: no dummy load, no
+    tokenizer), generate `new_tokens` greedy tokens per prompt with each one's log-probability
+    (`SamplingParams(logprobs=1)`), and shut it down. Raises vLLM's errors."""
+    in_process()
+    from vllm import LLM, SamplingParams
+    longest = max(len(p) for p in prompts) + new_tokens
+    llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+              block_size=block_size, max_model_len=max(longest, block_size),
+              max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
+              kv_cache_memory_bytes=64 * 2**20, enable_prefix_caching=False, seed=0)
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
+                            temperature=0.0, logprobs=1, detokenize=False)
+    try:
+        with keep_torch_threads():
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+    finally:
+        shutdown(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for t, step in zip(toks, o.outputs[0].logprobs)]
+                for toks, o in zip(tokens, outs)]
+    return GreedyRun(tokens, logprobs)
