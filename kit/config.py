@@ -396,8 +396,8 @@ def notebook_settings(namespace: dict) -> Settings:
     return load(namespace.get("preset", DEFAULT_PRESET), **params)
 
 
-def reference(name: str = "seed") -> dict:
-    """Published numbers under data/reference/ shown beside measured ones: `seed` (vLLM PR
+def reference(name: str) -> dict:
+    """Published numbers under data/reference/ shown beside measured ones: `pr7796` (vLLM pull request
     #7796, Gemma-2B on a GPU), `vllm_cpu` (vLLM's CPU engine as recorded), `mlp_probe` (the
     chapter 03 issue's tiny-MLP measurement)."""
     return json.loads((DATA / "reference" / f"{name}.json").read_text())

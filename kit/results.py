@@ -62,6 +62,31 @@ def plain(value):
     return value
 
 
+# Result names renamed since older runs were recorded: vLLM #7796 was called "the seed" in them,
+# a word the kit keeps for the random seed (`seed_kv_ratio` became `pr_kv_ratio`, and so on).
+RENAMED_PREFIXES = {"seed_": "pr_"}
+
+
+def current_name(name: str) -> str:
+    """A recorded result's name as the kit writes it today; each part of a dotted name apart."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        old = next((o for o in RENAMED_PREFIXES if part.startswith(o)), None)
+        if old is not None:
+            parts[i] = RENAMED_PREFIXES[old] + part[len(old):]
+    return ".".join(parts)
+
+
+def current_names(results):
+    """Recorded results (nested dicts and lists) with every name as today's (`current_name`),
+    so that the report and `kit compare` read older runs beside newer ones."""
+    if isinstance(results, dict):
+        return {current_name(str(k)): current_names(v) for k, v in results.items()}
+    if isinstance(results, list):
+        return [current_names(v) for v in results]
+    return results
+
+
 class CheckFailed(AssertionError):
     pass
 

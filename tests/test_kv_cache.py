@@ -38,7 +38,7 @@ def test_tp_that_does_not_divide_the_heads_is_refused():
         load("cpu-small", tensor_parallel_size=3)
 
 
-def test_seed_gemma_arithmetic():
+def test_pr_gemma_arithmetic():
     spec = KVCacheSpec.for_model(ModelConfig.load("gemma-2b"), 16, "bfloat16")
     assert spec.bytes_per_block == 294_912
     assert (34552 - 25752) * spec.bytes_per_block == 2_595_225_600  # 2.42 GiB
@@ -103,3 +103,12 @@ def test_budget_split_and_estimate():
     assert split.weights_bytes == arch.num_parameters() * 2 // 2
     assert split.kv_bytes == int(80 * GiB * 0.9) - split.weights_bytes - act
     assert split.sizing.num_blocks == split.kv_bytes // (16 * 65_536)
+
+
+def test_the_allocator_counts_the_concurrency_the_formula_divides():
+    from kit.studies.kv_cache_sizing import requests_that_fit
+    settings = load("cpu-small", max_model_len=1000, block_size=16)
+    spec = KVCacheSpec.from_settings(settings)
+    for blocks in (64, 126, 127, 1108):
+        sizing = size_kv_cache(spec, blocks * spec.bytes_per_block + 5, 63 * 16)
+        assert requests_that_fit(blocks, settings) == int(sizing.max_concurrency) == blocks // 63

@@ -1,4 +1,4 @@
-"""Every chapter executed headless on cpu-small, through the runner, as a learner would
+"""Every chapter executed headless on cpu-small, through `python -m kit run`, as a learner would
 (the run is the session fixture `cpu_small_run` of conftest.py); notebooks stored workshop-ready."""
 import ast
 import json
@@ -32,7 +32,7 @@ def test_chapter_01_records_the_numbers_it_shows(cpu_small_run):
     for strategy in ("eager", "compiled"):
         assert results[strategy]["peak_activation_bytes"] > 0
     assert len(json.loads((folder / "01_memory_profiling.json").read_text())["figures"]) >= 3
-    # the seed's lesson on the default preset: its device is as tight as the seed's GPU
+    # the PR's lesson on the default preset: its device is as tight as the PR's GPU
     assert results["kv_ratio_compiled_over_eager"] >= 1.2
     assert results["kv_ratio_compiled_over_eager"] == pytest.approx(
         1 + results["eager_extra_over_eager_kv"])

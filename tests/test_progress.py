@@ -1,4 +1,4 @@
-"""The runner's terminal line and its log, without running a notebook: the live line's text,
+"""The headless run's terminal line and its log, without running a notebook: the live line's text,
 the plain lines off a terminal, and the log taking what would have cluttered the terminal."""
 import io
 import logging

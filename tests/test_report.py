@@ -87,3 +87,25 @@ def test_report_and_compare_commands(cpu_small_run, tmp_path, capsys):
 def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, capsys):
     assert write_report_safely(tmp_path) is None
     assert "report: not written (ConfigError" in capsys.readouterr().out
+
+
+def test_an_older_run_reads_with_todays_names(cpu_small_run, tmp_path):
+    """A run recorded when vLLM #7796 was "the seed" (`seed_kv_ratio`, ...) lines up with today's
+    names in the report and in `kit compare`; the random seed (`seed`) keeps its name."""
+    import shutil
+    _, _, folder = cpu_small_run
+    old = shutil.copytree(folder, tmp_path / "old")
+    path = old / "01_memory_profiling.json"
+    recorded = json.loads(path.read_text())
+    results = recorded["results"]
+    assert "pr_kv_ratio" in results and recorded["settings"]["seed"] == 0
+    recorded["results"] = {k.replace("pr_", "seed_", 1): v for k, v in results.items()}
+    path.write_text(json.dumps(recorded))
+    summary = json.loads((old / "summary.json").read_text())
+    for nb in summary["notebooks"]:
+        nb["recorded"] = None  # read from the chapter's file, as for any run folder
+    (old / "summary.json").write_text(json.dumps(summary))
+    rows = {(ch, name): (va, vb) for ch, name, va, vb in numeric_rows(load_run(old), load_run(folder))}
+    ratio = rows[("01_memory_profiling", "pr_kv_ratio")]
+    assert ratio[0] == ratio[1] is not None
+    assert not any("seed_" in name for _, name in rows)

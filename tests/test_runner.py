@@ -138,17 +138,15 @@ def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
 
 
 def test_the_machine_section_gathers_what_chapters_measured():
-    from kit.execute.notebooks import add_measured_hardware, measured_hardware
-    ch00 = {"results": {"copy": {"rate": 30e9},
-                        "matmul": {"float32": {"rate": 70e9}, "bfloat16": {"rate": 1e9}},
-                        "dtype_speeds": {"bfloat16": {"slowdown_vs_float32": 70.0}}}}
-    ch04 = {"results": {"limits": {"bandwidth": 20e9, "matmul_dtype": "bfloat16",
-                                   "matmul_flops_per_second": 2e9},
-                        "dtype_speed": {"dtype": "bfloat16", "slowdown_vs_float32": 35.0}}}
-    assert measured_hardware(ch00) == {"copy_GB_per_s": 30.0,
-                                       "matmul_GFLOP_per_s.float32": 70.0,
-                                       "matmul_GFLOP_per_s.bfloat16": 1.0,
-                                       "slowdown_vs_float32.bfloat16": 70.0}
+    from kit.execute.notebooks import add_measured_hardware
+    from kit.measure.throughput import hardware_figures
+    ch00 = {"results": {"hardware": hardware_figures(30e9, {"float32": 70e9, "bfloat16": 1e9})}}
+    ch04 = {"results": {"hardware": hardware_figures(20e9, {"bfloat16": 2e9, "float32": 70e9})}}
+    assert ch00["results"]["hardware"] == {"copy_GB_per_s": 30.0,
+                                           "matmul_GFLOP_per_s.float32": 70.0,
+                                           "matmul_GFLOP_per_s.bfloat16": 1.0,
+                                           "slowdown_vs_float32.bfloat16": 70.0}
+    assert ch04["results"]["hardware"]["slowdown_vs_float32.bfloat16"] == 35.0
     machine = {"device": "cpu"}
     add_measured_hardware(machine, "02_kv_cache", {"results": {"num_blocks": 3}})
     assert "measured" not in machine  # a chapter that measured no hardware adds nothing

@@ -18,7 +18,7 @@ from kit.sweep import grid
 from kit.cli.main import main
 from kit.execute.notebooks import find_notebooks
 from kit.sweep.driver import sweep
-from kit.pages.sweep_page import at_once, curve_lines, render, seed_series, varying_numbers
+from kit.pages.sweep_page import at_once, curve_lines, render, pr_series, varying_numbers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 POINT = str(FIXTURES / "sweep_point.ipynb")  # takes seed and batch_size; fails on request
@@ -110,7 +110,7 @@ def fake_sweep(results: dict[tuple, dict], grid_: dict, times=None) -> dict:
             "fixed": {}, "runs": [], "points": points}
 
 
-def test_page_arithmetic_lines_concurrency_and_the_seed_curve(tmp_path):
+def test_page_arithmetic_lines_concurrency_and_the_pr_curve(tmp_path):
     grid_ = {"max_num_batched_tokens": [512, 1024], "device_memory": ["96MiB", "2GiB"]}
     blocks = {(512, "96MiB"): (10, 12), (512, "2GiB"): (500, 502),
               (1024, "96MiB"): (8, 11), (1024, "2GiB"): (498, 501)}
@@ -130,12 +130,12 @@ def test_page_arithmetic_lines_concurrency_and_the_seed_curve(tmp_path):
     lines = curve_lines(s, "01_memory_profiling.kv_blocks.eager", "max_num_batched_tokens")
     assert lines == [("device_memory=96MiB", [512, 1024], [10, 8], ["01", "03"]),
                      ("device_memory=2GiB", [512, 1024], [500, 498], ["02", "04"])]
-    assert seed_series(s) == [("device_memory=96MiB", [512, 1024], [10, 8], [12, 11]),
+    assert pr_series(s) == [("device_memory=96MiB", [512, 1024], [10, 8], [12, 11]),
                               ("device_memory=2GiB", [512, 1024], [500, 498], [502, 501])]
     (tmp_path / "sweep.json").write_text(json.dumps(s))
     page = render(tmp_path)
-    assert "The seed&#x27;s curve" in page or "The seed's curve" in page
-    # one figure per varying number and swept parameter, plus the seed's curve
+    assert "The PR&#x27;s curve" in page or "The PR's curve" in page
+    # one figure per varying number and swept parameter, plus the PR's curve
     assert page.count('class="figure kit-figure') == 2 * 2 + 1
 
 

@@ -1,6 +1,6 @@
 """The benchmarks, `python -m kit bench compile|decode|suite|vllm`: chapter 03's and chapter
 04's measurements without a notebook, printed and written as JSON, the whole suite timed through
-the runner (kit/cli/suite.py), and chapter 05's decode beside vLLM (kit/cli/bench_vllm.py).
+`python -m kit run` (kit/cli/suite.py), and chapter 05's decode beside vLLM (kit/cli/bench_vllm.py).
 Speed targets live here and in those modules, reported, never asserted in tests. The studies
 are imported when a benchmark runs, so the other commands start without torch.
 """

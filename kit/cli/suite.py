@@ -1,4 +1,4 @@
-"""`python -m kit bench suite`: the whole suite (or the notebooks named) run through the runner,
+"""`python -m kit bench suite`: the whole suite (or the notebooks named) run headless (`python -m kit run`),
 timed per chapter, with whether torch's Inductor cache was cold or warm before the run; prints a
 table and writes a JSON (default `runs/bench/suite-<time>-<preset>.json`). The speed targets
 below are printed beside the numbers, never asserted.
@@ -89,7 +89,7 @@ def target_lines(result: dict) -> list[str]:
 
 
 def bench_suite(args) -> int:
-    """Run the suite, print the table, write the JSON; the exit status is the runner's."""
+    """Run the suite, print the table, write the JSON; the exit status is the run's."""
     cache = inductor_cache()
     whole_suite = find_notebooks(args.notebooks) == find_notebooks([])
     t0 = time.perf_counter()
@@ -107,7 +107,7 @@ def bench_suite(args) -> int:
 
 def add_suite_cli(benchmarks, common) -> None:
     """`python -m kit bench suite [NOTEBOOK ...]`."""
-    p = benchmarks.add_parser("suite", help="the whole suite through the runner: seconds per "
+    p = benchmarks.add_parser("suite", help="the whole suite run headless: seconds per "
                               "chapter and in total, cold or warm compile cache; writes JSON")
     common(p)
     p.add_argument("notebooks", nargs="*", help="some notebooks only (default: all)")

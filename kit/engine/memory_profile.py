@@ -130,7 +130,7 @@ def profile_run(model: Decoder, settings: Settings, name: str, weights: int,
 def profile_memory(settings: Settings, profiles: dict = PROFILES) -> dict[str, MemoryProfile]:
     """Load the model once and profile it each way (`profiles`: name -> strategy), side by side
     in one process. A compiled profile's runner compiles first (its time reported apart) and is
-    discarded after its measurement: the profiling compilation is thrown away, as in the seed."""
+    discarded after its measurement: the profiling compilation is thrown away, as in vLLM #7796."""
     check_fits(settings)
     gc.collect()
     before = cuda_usage() if settings.device == "cuda" else None

@@ -148,32 +148,11 @@ def print_summary(statuses: list[dict], run: Path) -> None:
     print(f"kernel output and logs: {run / LOG_NAME}")
 
 
-def measured_hardware(recorded: dict | None) -> dict:
-    """The hardware figures a chapter measured, flat: chapter 00's copy and matmul per dtype
-    (with each 16-bit dtype's slowdown against float32), chapter 04's copy and matmul in the
-    run's dtype."""
-    r = (recorded or {}).get("results", {})
-    out = {}
-    limits, speeds = r.get("limits"), dict(r.get("dtype_speeds") or {})
-    if limits:
-        out["copy_GB_per_s"] = limits["bandwidth"] / 1e9
-        out[f"matmul_GFLOP_per_s.{limits['matmul_dtype']}"] = \
-            limits["matmul_flops_per_second"] / 1e9
-    if r.get("dtype_speed"):
-        speeds.setdefault(r["dtype_speed"]["dtype"], r["dtype_speed"])
-    if r.get("copy"):
-        out["copy_GB_per_s"] = r["copy"]["rate"] / 1e9
-    for dtype, m in (r.get("matmul") or {}).items():
-        out[f"matmul_GFLOP_per_s.{dtype}"] = m["rate"] / 1e9
-    for dtype, speed in speeds.items():
-        out[f"slowdown_vs_float32.{dtype}"] = speed["slowdown_vs_float32"]
-    return out
-
-
 def add_measured_hardware(machine: dict, chapter: str, recorded: dict | None) -> None:
-    """Into summary.json's machine section: what `chapter` measured of the hardware, the first
-    chapter to measure a figure keeping it (chapter 00 measures every dtype)."""
-    measured = measured_hardware(recorded)
+    """Into summary.json's machine section: what `chapter` measured of the hardware (its
+    results' `hardware`, `kit.measure.throughput.hardware_figures`), the first chapter to measure
+    a figure keeping it (chapter 00 measures every dtype)."""
+    measured = ((recorded or {}).get("results") or {}).get("hardware")
     if measured:
         section = machine.setdefault("measured", {})
         for key, value in measured.items():

@@ -1,4 +1,4 @@
-"""What the runner shows while a notebook runs: one live line per notebook on a terminal,
+"""What `python -m kit run` shows while a notebook runs: one live line per notebook on a terminal,
 rewritten in place (the cell, elapsed seconds, the last line the notebook printed) and replaced
 by the notebook's result line; plain lines, one at the start and one at the end, elsewhere.
 

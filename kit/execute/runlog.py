@@ -4,7 +4,7 @@
   `USDT: ... profiler_start`), ipykernel's own start-up warning ("Kernel is running over TCP
   without encryption", logged by IPKernelApp.init_sockets in the kernel process) and the
   subprocesses that inherit them (vLLM's engine processes in chapter 05);
-- the runner's papermill, nbclient, jupyter_client and traitlets loggers;
+- the headless run's papermill, nbclient, jupyter_client and traitlets loggers;
 - what each notebook printed, each line marked with its code cell.
 
 With `echo` (`python -m kit run --verbose`) the kernels' output and the loggers' warnings reach

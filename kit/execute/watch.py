@@ -1,5 +1,6 @@
-"""The runner's papermill engine, "kit": papermill's nbclient engine with the kernel's stdout
-and stderr sent to a file descriptor the runner gives (the run's log, kit/execute/runlog.py) and
+"""The headless run's papermill engine, "kit" (papermill's word for how it executes a notebook):
+papermill's nbclient engine with the kernel's stdout and stderr sent to a file descriptor
+`kit.execute.notebooks` gives (the run's log, kit/execute/runlog.py) and
 each code cell's start and each output reported to a `Watch` (the live line and the log).
 
 The route is the libraries' own: papermill hands the extra keyword arguments of

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kit.measure.device import synchronize
+from kit.units import MiB
 
 
 @dataclass
@@ -101,7 +102,7 @@ def non_torch_bytes(device: str, before: tuple[int, int] | None) -> int | None:
     return max(0, (used - before[0]) - (reserved - before[1]))
 
 
-def probe_measurement(device: str, nbytes: int = 64 * 2**20) -> int:
+def probe_measurement(device: str, nbytes: int = 64 * MiB) -> int:
     """Allocate and free a tensor of `nbytes`; return the peak this machine's method measured:
     the setup check that memory measurement works here (it must equal `nbytes`)."""
     return measure_allocations(

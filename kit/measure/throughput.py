@@ -17,13 +17,14 @@ import torch
 
 from kit.measure.device import torch_dtype
 from kit.measure.timing import Timings, time_fn
+from kit.units import GiB, MiB
 
 BUDGET_SECONDS = 1.0
 MIN_REPEATS = 3
 MAX_REPEATS = 50
 # The largest sizes: a copy well past any CPU's last-level cache (and a GPU's L2); a product
 # big enough to reach a device's compute roof.
-COPY_LIMIT = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
+COPY_LIMIT = {"cpu": 256 * MiB, "cuda": 2 * GiB}
 MATMUL_LIMIT = {"cpu": 2048, "cuda": 8192}
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,8 +93,8 @@ def copy_bandwidth(device: str, budget: float = BUDGET_SECONDS) -> Throughput:
         src = torch.ones(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         return lambda: dst.copy_(src)
-    return bounded("copy", device, "uint8", make_call, lambda n: 2 * n, min(limit, 16 * 2**20),
-                   limit, 1, 2**20, budget)
+    return bounded("copy", device, "uint8", make_call, lambda n: 2 * n, min(limit, 16 * MiB),
+                   limit, 1, MiB, budget)
 
 
 def matmul_throughput(device: str, dtype: str, budget: float = BUDGET_SECONDS) -> Throughput:
@@ -106,3 +107,16 @@ def matmul_throughput(device: str, dtype: str, budget: float = BUDGET_SECONDS) -
         return lambda: a @ b
     return bounded("matmul", device, dtype, make_call, lambda n: 2 * n**3, 128, limit, 3, 64,
                    budget)
+
+
+def hardware_figures(copy_rate: float | None, matmul_rates: dict[str, float]) -> dict:
+    """What a chapter measured of the hardware, in the one shape every run's machine section
+    gathers (`python -m kit run` reads this, never a chapter's own results): the copy in GB/s,
+    matmuls in GFLOP/s per dtype, and each other dtype's slowdown against float32 where both
+    were measured (float32's FLOP/s ÷ its own)."""
+    out = {} if copy_rate is None else {"copy_GB_per_s": copy_rate / 1e9}
+    out.update({f"matmul_GFLOP_per_s.{d}": rate / 1e9 for d, rate in matmul_rates.items()})
+    if "float32" in matmul_rates:
+        out.update({f"slowdown_vs_float32.{d}": matmul_rates["float32"] / rate
+                    for d, rate in matmul_rates.items() if d != "float32"})
+    return out

@@ -18,11 +18,13 @@ from pathlib import Path
 from kit.errors import ConfigError
 from kit.pages.html import Figures, esc, fmt, flatten, is_number, key_values, page, table
 from kit.pages.notebook_page import notebook_pages
+from kit.results import current_names
 
 # ---------------------------------------------------------------- reading a run folder
 
 def load_run(folder) -> dict:
-    """summary.json of a run folder, each notebook's recorded results filled in."""
+    """summary.json of a run folder, each notebook's recorded results filled in (with today's
+    names: a run recorded before a result was renamed reads the same)."""
     folder = Path(folder)
     path = folder / "summary.json"
     if not path.is_file():
@@ -34,6 +36,7 @@ def load_run(folder) -> dict:
         if nb.get("recorded") is None and recorded.is_file():
             nb["recorded"] = json.loads(recorded.read_text())
         nb["recorded"] = nb.get("recorded") or {"results": {}, "checks": [], "figures": []}
+        nb["recorded"]["results"] = current_names(nb["recorded"].get("results", {}))
     summary["folder"] = folder
     return summary
 
@@ -157,7 +160,7 @@ def write_report(folder) -> Path:
 
 
 def write_report_safely(folder) -> Path | None:
-    """The runner's call: a report that cannot be written never fails the run."""
+    """What `python -m kit run` calls: a report that cannot be written never fails the run."""
     try:
         path = write_report(folder)
     except Exception as e:

@@ -3,7 +3,7 @@
 The points as a table (failed ones first, each linking to its run's report), how the sweep ran
 (where, how many points at once, on which node), and for every recorded number that varies a
 figure of it against each grid parameter, one line per combination of the other parameters'
-values. A sweep of chapter 01 over `max_num_batched_tokens` also gets the seed's curve.
+values. A sweep of chapter 01 over `max_num_batched_tokens` also gets the PR's curve.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from kit.config import reference
 from kit.errors import ConfigError
 from kit.pages.html import Figures, esc, key_values, page, table
+from kit.results import current_names
 
 SWEEP_FILE = "sweep.json"
 
@@ -26,7 +27,10 @@ def load_sweep(folder) -> dict:
     if not path.is_file():
         raise ConfigError(f"{folder} is not a sweep folder (no {SWEEP_FILE}); give a folder "
                           "that `python -m kit sweep` wrote, e.g. runs/sweep-<stamp>-cpu-small")
-    return json.loads(path.read_text())
+    sweep = json.loads(path.read_text())
+    for point in sweep.get("points", []):
+        point["results"] = current_names(point.get("results") or {})
+    return sweep
 
 
 def machine(point: dict) -> tuple | None:
@@ -86,8 +90,8 @@ def curve_lines(sweep: dict, name: str, parameter: str) -> list[tuple[str, list,
     return lines
 
 
-def seed_series(sweep: dict) -> list[tuple[str, list, list, list]]:
-    """(label, tokens, eager blocks, compiled blocks) for the seed's curve, when the sweep ran
+def pr_series(sweep: dict) -> list[tuple[str, list, list, list]]:
+    """(label, tokens, eager blocks, compiled blocks) for the PR's curve, when the sweep ran
     chapter 01 over max_num_batched_tokens; else []."""
     if SEED_PARAMETER not in sweep["grid"]:
         return []
@@ -145,15 +149,15 @@ def figures(sweep: dict, figs: Figures) -> str:
     from kit.show import plots
     ran = [p for p in sweep["points"] if p.get("results")]
     out = []
-    series = seed_series(sweep)
+    series = pr_series(sweep)
     if series:
-        out += ["<h2>The seed's curve</h2>",
+        out += ["<h2>The PR's curve</h2>",
                 "<p>KV cache blocks left by the eager and the compiled profile as the profiled "
-                "token count grows, and their ratio; the star is the seed's Gemma-2B point "
+                "token count grows, and their ratio; the star is the PR's Gemma-2B point "
                 "(vLLM PR 7796) on its GPU. Chapter 01 explains why the ratio depends on how "
                 "tight the device is.</p>",
-                figs.div_json("sweep--seed_curve",
-                              plots.seed_curve(series, reference("seed")).to_json())]
+                figs.div_json("sweep--pr_curve",
+                              plots.pr_curve(series, reference("pr7796")).to_json())]
     swept = [k for k, v in sweep["grid"].items() if len(v) > 1]
     varying = varying_numbers(ran)
     out.append(f"<h2>Numbers that vary ({len(varying)})</h2>")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from kit.units import MiB
+from kit.units import GiB, MiB
 
 COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "non-torch": "#937860",
           "KV cache": "#55a868", "unused": "#d0d0d0", "short": "#c44e52"}
@@ -188,7 +188,7 @@ def kv_calculator(split, title: str = "") -> go.Figure:
              "KV cache": s.cache_bytes, "unused": split.reserved_bytes
              + (split.kv_bytes - s.cache_bytes if split.kv_bytes > 0 else 0)}
     for part, value in parts.items():
-        fig.add_bar(name=part, x=["device"], y=[value / 2**30], marker_color=COLORS[part],
+        fig.add_bar(name=part, x=["device"], y=[value / GiB], marker_color=COLORS[part],
                     row=1, col=1, hovertemplate="%{y:,.3f} GiB<extra>" + part + "</extra>")
     lengths = [2**k for k in range(8, 18)]
     fig.add_scatter(x=lengths, y=[s.num_blocks / s.spec.blocks_for(n) for n in lengths],
@@ -288,9 +288,9 @@ def sweep_curve(name: str, parameter: str, lines: list[tuple[str, list, list, li
     return fig
 
 
-def seed_curve(series: list[tuple[str, list[int], list[int], list[int]]], seed: dict) -> go.Figure:
-    """The seed's trade-off as a curve: KV blocks left by the eager and the compiled profile
-    against the profiled tokens (top), their ratio (bottom) with the seed's point marked.
+def pr_curve(series: list[tuple[str, list[int], list[int], list[int]]], pr: dict) -> go.Figure:
+    """The PR's trade-off as a curve: KV blocks left by the eager and the compiled profile
+    against the profiled tokens (top), their ratio (bottom) with the PR's point marked.
     `series`: (label, tokens, eager blocks, compiled blocks) per combination of other values."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
@@ -307,19 +307,19 @@ def seed_curve(series: list[tuple[str, list[int], list[int], list[int]]], seed: 
         ratios = [c / e if e > 0 else None for e, c in zip(eager, compiled)]
         fig.add_scatter(x=tokens, y=ratios, mode="lines+markers", name=prefix + "ratio here",
                         row=2, col=1, hovertemplate="%{x} tokens: %{y:.3f}×<extra></extra>")
-    compiled, eager = seed["kv_blocks_profile_compiled"], seed["kv_blocks_profile_eager"]
-    fig.add_scatter(x=[seed["max_num_batched_tokens"]], y=[compiled / eager], mode="markers+text",
+    compiled, eager = pr["kv_blocks_profile_compiled"], pr["kv_blocks_profile_eager"]
+    fig.add_scatter(x=[pr["max_num_batched_tokens"]], y=[compiled / eager], mode="markers+text",
                     marker=dict(symbol="star", size=16, color="#c44e52"),
-                    text=[f"seed: {compiled} ÷ {eager} blocks"], textposition="middle left",
-                    name="the seed (Gemma-2B, PR 7796)", row=2, col=1,
-                    hovertemplate="the seed at %{x} tokens: %{y:.3f}×<extra></extra>")
+                    text=[f"vLLM #7796: {compiled} ÷ {eager} blocks"], textposition="middle left",
+                    name="vLLM #7796 (Gemma-2B)", row=2, col=1,
+                    hovertemplate="vLLM #7796 at %{x} tokens: %{y:.3f}×<extra></extra>")
     ticks = sorted({t for _, tokens, _, _ in series for t in tokens}
-                   | {seed["max_num_batched_tokens"]})
+                   | {pr["max_num_batched_tokens"]})
     fig.update_xaxes(type="log", tickvals=ticks, row=1, col=1)
     fig.update_xaxes(type="log", tickvals=ticks, row=2, col=1,
                      title_text="max_num_batched_tokens (profiled tokens)")
     fig.update_yaxes(title_text="blocks", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="×", row=2, col=1)
-    fig.update_layout(title="The seed's curve: what profiling eagerly costs the KV cache",
+    fig.update_layout(title="The PR's curve: what profiling eagerly costs the KV cache",
                       height=620)
     return fig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from kit.units import fmt_bytes, fmt_flops
+from kit.units import MiB, fmt_bytes, fmt_flops
 
 
 class Table:
@@ -120,23 +120,23 @@ def profiles_table(profiles: dict) -> Table:
                   for name, p in profiles.items()])
 
 
-def memory_seed_table(v) -> Table:
-    """Chapter 01's ratios (`kit.studies.memory_profiling.VersusSeed`) beside the seed's."""
-    compiled, eager = v.seed_blocks
+def memory_pr_table(v) -> Table:
+    """Chapter 01's ratios (`kit.studies.memory_profiling.VersusPR`) beside the PR's."""
+    compiled, eager = v.pr_blocks
     return Table([{"quantity": "KV cache, compiled profile ÷ eager profile",
                    "measured here": f"{v.kv_ratio:.4f}",
-                   "seed (Gemma-2B, GPU)": f"{v.seed_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
+                   "vLLM #7796 (Gemma-2B, GPU)": f"{v.pr_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
                   {"quantity": "the eager profile's extra activations ÷ the KV cache it leaves",
                    "measured here": f"{fmt_bytes(v.extra_bytes)} ÷ "
                                     f"{fmt_bytes(v.eager_kv_bytes)} = {v.extra_over_eager_kv:.3f}",
-                   "seed (Gemma-2B, GPU)": f"{compiled - eager} ÷ {eager} blocks = "
-                                           f"{v.seed_extra_over_eager_kv:.3f}"},
+                   "vLLM #7796 (Gemma-2B, GPU)": f"{compiled - eager} ÷ {eager} blocks = "
+                                           f"{v.pr_extra_over_eager_kv:.3f}"},
                   {"quantity": "peak activations, compiled ÷ eager",
                    "measured here": f"{v.activation_ratio:.3f}",
-                   "seed (Gemma-2B, GPU)": "not published"},
+                   "vLLM #7796 (Gemma-2B, GPU)": "not published"},
                   {"quantity": "weights ÷ the device's capacity",
                    "measured here": f"{v.weights_share:.1%}",
-                   "seed (Gemma-2B, GPU)": f"{v.seed_weights_share:.1%} (bf16 weights on the "
+                   "vLLM #7796 (Gemma-2B, GPU)": f"{v.pr_weights_share:.1%} (bf16 weights on the "
                                            "16 GiB GPU its numbers fit)"}])
 
 
@@ -161,19 +161,19 @@ def block_tables_table(allocator, shown: int = 12) -> Table:
                   for seq, t in allocator.tables.items()])
 
 
-def seed_blocks_table(a, model_name: str, device: str) -> Table:
-    """The seed's Gemma-2B blocks in bytes beside this run's (`SeedArithmetic`)."""
+def pr_blocks_table(a, model_name: str, device: str) -> Table:
+    """The PR's Gemma-2B blocks in bytes beside this run's (`PRArithmetic`)."""
     here = a.here_blocks
     return Table([
-        {"": "seed, Gemma-2B (GPU)",
-         "compiled profile": f"{a.seed_blocks['compiled']:,} blocks = "
-                             f"{fmt_bytes(a.seed_bytes('compiled'))}",
-         "eager profile": f"{a.seed_blocks['eager']:,} blocks = "
-                          f"{fmt_bytes(a.seed_bytes('eager'))}",
-         "eager charged extra": f"{fmt_bytes(a.seed_extra_bytes)} "
-                                f"({1 - a.seed_bytes('eager') / a.seed_bytes('compiled'):.1%} "
+        {"": "vLLM #7796, Gemma-2B (GPU)",
+         "compiled profile": f"{a.pr_blocks['compiled']:,} blocks = "
+                             f"{fmt_bytes(a.pr_bytes('compiled'))}",
+         "eager profile": f"{a.pr_blocks['eager']:,} blocks = "
+                          f"{fmt_bytes(a.pr_bytes('eager'))}",
+         "eager charged extra": f"{fmt_bytes(a.pr_extra_bytes)} "
+                                f"({1 - a.pr_bytes('eager') / a.pr_bytes('compiled'):.1%} "
                                 "of the cache)",
-         "compiled ÷ eager": f"{a.seed_blocks['compiled'] / a.seed_blocks['eager']:.3f}"},
+         "compiled ÷ eager": f"{a.pr_blocks['compiled'] / a.pr_blocks['eager']:.3f}"},
         {"": f"here, {model_name} ({device})", "compiled profile": f"{here['compiled']:,} blocks",
          "eager profile": f"{here['eager']:,} blocks",
          "eager charged extra": f"{fmt_bytes(a.here_extra_bytes)} "
@@ -204,7 +204,7 @@ def plans_table(comparison) -> Table:
             "µs/forward": us(r.forward_seconds), "µs direct": us(r.direct_seconds),
             "Dynamo µs/call": us(r.dynamo_overhead_seconds),
             "cache lookup µs (profiler)": us(r.cache_lookup_seconds),
-            "peak activations MiB": f"{r.peak_activation_bytes / 2**20:,.2f}",
+            "peak activations MiB": f"{r.peak_activation_bytes / MiB:,.2f}",
             "KV blocks": f"{r.num_blocks:,}",
             "max |diff| / max |eager|": "n/a (trace failed)" if r.max_rel_diff is None
             else f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
@@ -233,32 +233,32 @@ def mlp_probe_table(probe: dict, published_us: dict) -> Table:
                   for name, p in probe.items()])
 
 
-def compile_seed_table(comparison, ratios: dict, seed: dict) -> Table:
-    """Chapter 03's ratios (`seed_ratios`) and Dynamo figures beside the seed's."""
+def compile_pr_table(comparison, ratios: dict, pr: dict) -> Table:
+    """Chapter 03's ratios (`pr_ratios`) and Dynamo figures beside the PR's."""
     r = comparison.results
     p3, p4, stock, free = (r["profile_eager"], r["profile_compiled_discard"], r["stock"],
                            r["guard_free"])
     return Table([
         {"quantity": "KV blocks, compiled profile ÷ eager profile (4 ÷ 3)",
-         "seed (Gemma-2B, GPU)": f"{ratios['seed_blocks_ratio']:.3f} "
-                                 f"({seed['kv_blocks_profile_compiled']} / "
-                                 f"{seed['kv_blocks_profile_eager']})",
+         "vLLM #7796 (Gemma-2B, GPU)": f"{ratios['pr_blocks_ratio']:.3f} "
+                                 f"({pr['kv_blocks_profile_compiled']} / "
+                                 f"{pr['kv_blocks_profile_eager']})",
          "measured here": f"{ratios['measured_blocks_ratio']:.4f} "
                           f"({p4.num_blocks:,} / {p3.num_blocks:,})"},
         {"quantity": "decode step, profiling compile discarded ÷ kept (4 ÷ 2)",
-         "seed (Gemma-2B, GPU)": f"{ratios['seed_step_ratio']:.3f} "
-                                 f"({seed['decode_step_ms_after']} / "
-                                 f"{seed['decode_step_ms_before']} ms)",
+         "vLLM #7796 (Gemma-2B, GPU)": f"{ratios['pr_step_ratio']:.3f} "
+                                 f"({pr['decode_step_ms_after']} / "
+                                 f"{pr['decode_step_ms_before']} ms)",
          "measured here": f"{ratios['measured_step_ratio']:.3f} "
                           f"({p4.forward_seconds * 1e3:.2f} / "
                           f"{stock.forward_seconds * 1e3:.2f} ms)"},
         {"quantity": "Dynamo overhead per step",
-         "seed (Gemma-2B, GPU)": f"{seed['dynamo_overhead_ms_low']}–"
-                                 f"{seed['dynamo_overhead_ms_high']} ms saved",
+         "vLLM #7796 (Gemma-2B, GPU)": f"{pr['dynamo_overhead_ms_low']}–"
+                                 f"{pr['dynamo_overhead_ms_high']} ms saved",
          "measured here": f"stock {stock.dynamo_overhead_seconds * 1e3:.3f} ms, "
                           f"guard-free {free.dynamo_overhead_seconds * 1e3:.3f} ms"},
         {"quantity": "guards on the served code",
-         "seed (Gemma-2B, GPU)": str(seed["served_guards"]),
+         "vLLM #7796 (Gemma-2B, GPU)": str(pr["served_guards"]),
          "measured here": f"{p4.guards_total} (stock compile, {p4.cache_entries} entries), "
                           f"{free.guards_total} guard-free"}])
 
@@ -311,8 +311,8 @@ def correctness_table(report) -> Table:
     return Table(rows, "Paged decode against the no-cache reference, every step")
 
 
-def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
-    """Warm-up, prefill, step and end to end per strategy, the seed's (and vLLM CPU's recorded
+def end_to_end_table(report, pr: dict, vllm: dict | None) -> Table:
+    """Warm-up, prefill, step and end to end per strategy, the PR's (and vLLM CPU's recorded
     figures for this shape, when there are any) beside."""
     rows = [{"strategy": n, "warm-up s (compile included)": f"{t.warmup_seconds:.2f}",
              "prefill ms": f"{t.prefill_seconds * 1e3:.1f}",
@@ -321,11 +321,11 @@ def end_to_end_table(report, seed: dict, vllm: dict | None) -> Table:
              "end to end s": f"{t.end_to_end_seconds:.3f}",
              "tokens/s": f"{t.tokens_per_second:,.0f}"}
             for n, t in report.timings.items()]
-    rows.append({"strategy": "seed (vLLM, Gemma-2B, GPU): before → after",
+    rows.append({"strategy": "vLLM #7796 (Gemma-2B, GPU): before → after",
                  "median step ms":
-                     f"{seed['decode_step_ms_before']} → {seed['decode_step_ms_after']}",
+                     f"{pr['decode_step_ms_before']} → {pr['decode_step_ms_after']}",
                  "end to end s":
-                     f"{seed['e2e_latency_s_before']} → {seed['e2e_latency_s_after']}"})
+                     f"{pr['e2e_latency_s_before']} → {pr['e2e_latency_s_after']}"})
     if vllm:
         rows.append({"strategy": f"vLLM CPU 0.32, this machine, dtype and shape (recorded): "
                                  "eager / compiled",

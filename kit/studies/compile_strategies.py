@@ -53,9 +53,9 @@ PLANS = (
          "torch.compile, batch dimension dynamic, guards evaluated on every call; the profiling "
          "run is compiled and its compilation stays in the cache (vLLM before #7796)"),
     Plan(3, "profile_eager", "stock", "eager", False,
-         "the seed's first version: profile eager, serve compiled"),
+         "the PR's first version: profile eager, serve compiled"),
     Plan(4, "profile_compiled_discard", "stock", "stock", True,
-         "the seed's final version: compile the profiling run, measure, discard, compile again"),
+         "the PR's final version: compile the profiling run, measure, discard, compile again"),
     Plan(5, "guard_free", "guard_free", "guard_free", True,
          "guards dropped (guard_filter_fn) + set_stance('fail_on_recompile'), as vLLM serves "
          "today; the profiling compilation discarded (it would otherwise serve every shape)"),
@@ -355,14 +355,14 @@ def overhead_target(comparison: Comparison, plan: str = "guard_free") -> dict:
             "met_best": res.overhead_best_fraction <= OVERHEAD_TARGET}
 
 
-def seed_ratios(comparison: Comparison) -> dict:
-    """The seed's ratios beside the measured ones: KV blocks of the seed's final plan over its
+def pr_ratios(comparison: Comparison) -> dict:
+    """The PR's ratios beside the measured ones: KV blocks of the PR's final plan over its
     first (4 ÷ 3), and the decode forward with the profiling compile discarded over kept
     (4 ÷ 2)."""
-    seed, r = reference("seed"), comparison.results
+    pr, r = reference("pr7796"), comparison.results
     p3, p4, stock = r["profile_eager"], r["profile_compiled_discard"], r["stock"]
-    return {"seed_blocks_ratio":
-            seed["kv_blocks_profile_compiled"] / seed["kv_blocks_profile_eager"],
+    return {"pr_blocks_ratio":
+            pr["kv_blocks_profile_compiled"] / pr["kv_blocks_profile_eager"],
             "measured_blocks_ratio": p4.num_blocks / p3.num_blocks,
-            "seed_step_ratio": seed["decode_step_ms_after"] / seed["decode_step_ms_before"],
+            "pr_step_ratio": pr["decode_step_ms_after"] / pr["decode_step_ms_before"],
             "measured_step_ratio": p4.forward_seconds / stock.forward_seconds}

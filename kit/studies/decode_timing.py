@@ -31,7 +31,7 @@ from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
-from kit.measure.throughput import copy_bandwidth, matmul_throughput
+from kit.measure.throughput import copy_bandwidth, hardware_figures, matmul_throughput
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
 from kit.units import GiB, fmt_flops
@@ -326,6 +326,14 @@ class DecodeReport:
                 "best_compiled": best.strategy, "best_compiled_seconds": best.median,
                 "form_buys": eager / summed, "compiler_buys": summed / best.median}
 
+    def hardware(self) -> dict:
+        """The copy and the matmuls measured here (float32's too in a 16-bit run), as every
+        run's machine section gathers them."""
+        rates = {self.limits.matmul_dtype: self.limits.matmul_flops_per_second}
+        if self.dtype_speed is not None:
+            rates["float32"] = self.dtype_speed.float32_flops_per_second
+        return hardware_figures(self.limits.bandwidth, rates)
+
     def best(self) -> StrategyTiming:
         return min(self.timings.values(), key=lambda t: t.median)
 
@@ -350,7 +358,8 @@ class DecodeReport:
                 "dtype_speed": self.dtype_speed.summary() if self.dtype_speed else None,
                 "eager_summed": self.eager_summed.summary() if self.eager_summed else None,
                 "form_and_compiler": self.form_and_compiler(),
-                "best_strategy": self.best().strategy, "machine": self.machine,
+                "best_strategy": self.best().strategy, "hardware": self.hardware(),
+                "machine": self.machine,
                 "load_average": self.load_average}
 
 
@@ -435,13 +444,13 @@ def vllm_cpu_reference(settings: Settings) -> dict | None:
                  and r["input_len"] == settings.input_len), None)
 
 
-def seed_ratios(timings: dict[str, StrategyTiming]) -> dict:
+def pr_ratios(timings: dict[str, StrategyTiming]) -> dict:
     """Stock compile (guards checked on every call) over guard-free, per step and end to end,
-    beside the seed's before ÷ after; empty unless both strategies ran."""
+    beside the PR's before ÷ after; empty unless both strategies ran."""
     if "stock" not in timings or "guard_free" not in timings:
         return {}
-    seed, stock, free = reference("seed"), timings["stock"], timings["guard_free"]
+    pr, stock, free = reference("pr7796"), timings["stock"], timings["guard_free"]
     return {"step_stock_over_guard_free": stock.median / free.median,
             "e2e_stock_over_guard_free": stock.end_to_end_seconds / free.end_to_end_seconds,
-            "seed_step_ratio": seed["decode_step_ms_before"] / seed["decode_step_ms_after"],
-            "seed_e2e_ratio": seed["e2e_latency_s_before"] / seed["e2e_latency_s_after"]}
+            "pr_step_ratio": pr["decode_step_ms_before"] / pr["decode_step_ms_after"],
+            "pr_e2e_ratio": pr["e2e_latency_s_before"] / pr["e2e_latency_s_after"]}

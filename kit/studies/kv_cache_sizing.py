@@ -1,13 +1,13 @@
 """Chapter 02, building the KV cache: the blocks a budget buys (the arithmetic is
 `kit.engine.kv_cache`), block tables handed to a batch of requests, the calculator behind the
-chapter's widget, and the seed's Gemma-2B blocks turned into bytes.
+chapter's widget, and the PR's Gemma-2B blocks turned into bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kit.config import ModelConfig, Settings, reference
-from kit.engine.block_table import BlockAllocator
+from kit.engine.block_table import BlockAllocator, OutOfBlocks
 from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
                                  estimate_activation_bytes, split_budget)
 
@@ -23,6 +23,18 @@ def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
         for seq in range(settings.batch_size):
             allocator.append_token(seq)
     return allocator
+
+
+def requests_that_fit(num_blocks: int, settings: Settings) -> int:
+    """How many requests of `max_model_len` tokens the block allocator hands blocks to before it
+    runs out: the concurrency vLLM's start-up line states, counted instead of divided."""
+    allocator, held = BlockAllocator(num_blocks, settings.block_size), 0
+    try:
+        while True:
+            allocator.allocate(held, settings.max_model_len)
+            held += 1
+    except OutOfBlocks:
+        return held
 
 
 def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None,
@@ -54,43 +66,43 @@ def calculate_for_settings(settings: Settings, capacity: int,
 
 
 @dataclass
-class SeedArithmetic:
-    """The seed's Gemma-2B blocks in bytes, beside this run's eager and compiled profiles."""
+class PRArithmetic:
+    """The PR's Gemma-2B blocks in bytes, beside this run's eager and compiled profiles."""
 
-    gemma: KVCacheSpec            # Gemma-2B's cache at the seed's block size, bf16
-    seed_blocks: dict[str, int]   # {"compiled": 34552, "eager": 25752}
+    gemma: KVCacheSpec            # Gemma-2B's cache at the PR's block size, bf16
+    pr_blocks: dict[str, int]     # {"compiled": 34552, "eager": 25752}
     here_blocks: dict[str, int]   # this run's blocks from each profile
     bytes_per_block: int          # this run's
     activation_delta: int         # eager peak - compiled peak, this run
 
-    def seed_bytes(self, profile: str) -> int:
-        return self.seed_blocks[profile] * self.gemma.bytes_per_block
+    def pr_bytes(self, profile: str) -> int:
+        return self.pr_blocks[profile] * self.gemma.bytes_per_block
 
     @property
-    def seed_extra_bytes(self) -> int:
-        """What the eager profile charged beyond the compiled one, in the seed."""
-        return self.seed_bytes("compiled") - self.seed_bytes("eager")
+    def pr_extra_bytes(self) -> int:
+        """What the eager profile charged beyond the compiled one, in the PR."""
+        return self.pr_bytes("compiled") - self.pr_bytes("eager")
 
     @property
     def here_extra_bytes(self) -> int:
         return (self.here_blocks["compiled"] - self.here_blocks["eager"]) * self.bytes_per_block
 
     def summary(self) -> dict:
-        return {"seed_bytes_per_block": self.gemma.bytes_per_block,
-                "seed_compiled_kv_bytes": self.seed_bytes("compiled"),
-                "seed_eager_kv_bytes": self.seed_bytes("eager"),
-                "seed_eager_extra_activation_bytes": self.seed_extra_bytes,
+        return {"pr_bytes_per_block": self.gemma.bytes_per_block,
+                "pr_compiled_kv_bytes": self.pr_bytes("compiled"),
+                "pr_eager_kv_bytes": self.pr_bytes("eager"),
+                "pr_eager_extra_activation_bytes": self.pr_extra_bytes,
                 "blocks_eager_profile": self.here_blocks["eager"],
                 "blocks_compiled_profile": self.here_blocks["compiled"]}
 
 
-def seed_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> SeedArithmetic:
+def pr_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> PRArithmetic:
     """`profiles`: chapter 01's summaries ("eager", "compiled"); `spec`: this run's cache."""
-    seed = reference("seed")
-    gemma = KVCacheSpec.for_model(ModelConfig.load(seed["model"]), seed["block_size"],
+    pr = reference("pr7796")
+    gemma = KVCacheSpec.for_model(ModelConfig.load(pr["model"]), pr["block_size"],
                                   "bfloat16")
     here = {k: max(0, p["kv_cache_bytes"]) // spec.bytes_per_block for k, p in profiles.items()}
     peaks = {k: p["peak_activation_bytes"] for k, p in profiles.items()}
-    return SeedArithmetic(gemma, {"compiled": seed["kv_blocks_profile_compiled"],
-                                  "eager": seed["kv_blocks_profile_eager"]},
-                          here, spec.bytes_per_block, peaks["eager"] - peaks["compiled"])
+    return PRArithmetic(gemma, {"compiled": pr["kv_blocks_profile_compiled"],
+                                "eager": pr["kv_blocks_profile_eager"]},
+                        here, spec.bytes_per_block, peaks["eager"] - peaks["compiled"])

@@ -21,51 +21,51 @@ def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dic
 
 
 @dataclass
-class VersusSeed:
-    """The compiled profile against the eager one, as ratios, beside the seed's.
+class VersusPR:
+    """The compiled profile against the eager one, as ratios, beside the PR's.
 
     What the compiled profile gains is the eager profile's extra activations, so
     KV compiled ÷ KV eager = 1 + extra ÷ KV eager: the lesson shows on a device as tight as the
-    seed's, where the eager profile's extra activations are a sizeable share of the cache it
-    leaves (the seed: 8800 of 25752 blocks), and vanishes on a roomy one."""
+    PR's, where the eager profile's extra activations are a sizeable share of the cache it
+    leaves (the PR: 8800 of 25752 blocks), and vanishes on a roomy one."""
 
     kv_ratio: float             # KV cache bytes, compiled ÷ eager
     activation_ratio: float     # peak activations, compiled ÷ eager
-    seed_kv_ratio: float        # the seed's KV blocks, compiled ÷ eager (Gemma-2B on a GPU)
-    seed_blocks: tuple[int, int]  # the seed's (compiled, eager) blocks
+    pr_kv_ratio: float        # the PR's KV blocks, compiled ÷ eager (Gemma-2B on a GPU)
+    pr_blocks: tuple[int, int]  # the PR's (compiled, eager) blocks
     extra_bytes: int            # the eager peak's activations beyond the compiled one's
     eager_kv_bytes: int         # what the eager profile leaves the KV cache
     weights_share: float        # weights ÷ the device's capacity, here
-    seed_weights_share: float   # Gemma-2B's bf16 weights ÷ the 16 GiB its numbers fit
+    pr_weights_share: float   # Gemma-2B's bf16 weights ÷ the 16 GiB its numbers fit
 
     @property
     def extra_over_eager_kv(self) -> float:
         return self.extra_bytes / self.eager_kv_bytes
 
     @property
-    def seed_extra_over_eager_kv(self) -> float:
-        compiled, eager = self.seed_blocks
+    def pr_extra_over_eager_kv(self) -> float:
+        compiled, eager = self.pr_blocks
         return (compiled - eager) / eager
 
     def summary(self) -> dict:
         return {"kv_ratio_compiled_over_eager": self.kv_ratio,
                 "activation_ratio_compiled_over_eager": self.activation_ratio,
-                "seed_kv_ratio": self.seed_kv_ratio,
+                "pr_kv_ratio": self.pr_kv_ratio,
                 "eager_extra_activation_bytes": self.extra_bytes,
                 "eager_extra_over_eager_kv": self.extra_over_eager_kv,
-                "seed_eager_extra_over_eager_kv": self.seed_extra_over_eager_kv,
+                "pr_eager_extra_over_eager_kv": self.pr_extra_over_eager_kv,
                 "weights_share_of_capacity": self.weights_share,
-                "seed_weights_share_of_capacity": self.seed_weights_share}
+                "pr_weights_share_of_capacity": self.pr_weights_share}
 
 
-def versus_seed(profiles: dict[str, MemoryProfile]) -> VersusSeed:
-    seed = reference("seed")
+def versus_pr(profiles: dict[str, MemoryProfile]) -> VersusPR:
+    pr = reference("pr7796")
     eager, compiled = profiles["eager"], profiles["compiled"]
-    blocks = (seed["kv_blocks_profile_compiled"], seed["kv_blocks_profile_eager"])
-    return VersusSeed(compiled.kv_cache_bytes / eager.kv_cache_bytes,
+    blocks = (pr["kv_blocks_profile_compiled"], pr["kv_blocks_profile_eager"])
+    return VersusPR(compiled.kv_cache_bytes / eager.kv_cache_bytes,
                       compiled.peak_activation_bytes / eager.peak_activation_bytes,
                       blocks[0] / blocks[1], blocks,
                       eager.peak_activation_bytes - compiled.peak_activation_bytes,
                       eager.kv_cache_bytes, eager.weights_bytes / eager.capacity_bytes,
-                      ModelConfig.load(seed["model"]).num_parameters() * 2
-                      / parse_bytes(seed["device_memory_assumed"]))
+                      ModelConfig.load(pr["model"]).num_parameters() * 2
+                      / parse_bytes(pr["device_memory_assumed"]))

@@ -11,7 +11,8 @@ import torch
 
 from kit.measure.device import synchronize
 from kit.measure.memory import probe_measurement
-from kit.measure.throughput import MATMUL_DTYPES, Throughput, copy_bandwidth, matmul_throughput
+from kit.measure.throughput import (MATMUL_DTYPES, Throughput, copy_bandwidth, hardware_figures,
+                                     matmul_throughput)
 from kit.units import MiB
 
 PROBE_BYTES = 64 * MiB
@@ -60,7 +61,9 @@ class Probes:
         return {"probe_bytes": self.probe_bytes, "probe_seen_bytes": self.seen_bytes,
                 "probe_compile_seconds": self.compile_seconds,
                 "copy": self.copy.summary(),
-                "matmul": {k: m.summary() for k, m in self.matmuls.items()}}
+                "matmul": {k: m.summary() for k, m in self.matmuls.items()},
+                "hardware": hardware_figures(self.copy.rate,
+                                             {k: m.rate for k, m in self.matmuls.items()})}
 
 
 def run_probes(device: str, progress=print) -> Probes:

@@ -100,7 +100,7 @@ def plan(preset: str, names: list[str], grid_pairs: list[str], param_pairs: list
          max_points: int, yes: bool, remote: bool) -> dict:
     """The sweep as sweep.json holds it, every point pending; refuses a bad grid (ConfigError)
     before anything starts."""
-    read_preset(preset)  # an unknown preset refused first, as the runner's validation does
+    read_preset(preset)  # an unknown preset refused first, as `python -m kit run`'s validation does
     notebooks = find_notebooks(names)
     grid, fixed = grids.parse_grid(grid_pairs), parse_params(param_pairs)
     points = grids.check(preset, notebooks, grid, fixed, max_points, yes, remote)

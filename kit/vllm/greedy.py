@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kit.units import MiB
 from kit.vllm.engine_runs import keep_torch_threads, shutdown
 from kit.vllm.installed import in_process
 
@@ -27,7 +28,7 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
     llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
               block_size=block_size, max_model_len=max(longest, block_size),
               max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
-              kv_cache_memory_bytes=64 * 2**20, enable_prefix_caching=False, seed=0)
+              kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0)
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
                             temperature=0.0, logprobs=1, detokenize=False)
     try:
