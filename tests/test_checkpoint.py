@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 import kit
 from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
-from kit.engine.decode import blocks_needed, decode_runner, generate, make_prompts, new_batch
+from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
+from kit.engine.decode_runners import decode_runner
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model, summed_attention
 from kit.errors import ConfigError

@@ -206,7 +206,7 @@ def test_every_preset_lists_the_decode_settings(preset):
 def test_the_compiled_step_equals_the_reference_too():
     """The compiled attention (products summed, fused with the gather) on a multi-query model,
     across block edges, through a guard-free runner as chapter 04 times it."""
-    from kit.engine.decode import CPU_FREEZING
+    from kit.engine.decode_runners import CPU_FREEZING
     from kit.engine.runners import make_runner
     a = ARCHS["mqa"]
     model, prompts, batch, _ = paged_run(a, "float32")
@@ -234,7 +234,7 @@ def test_a_batch_reads_its_span_not_its_whole_table():
     """With 32-token blocks, 47 tokens at most: the table holds 64 positions, the step reads 48
     (three chunks of 16); eager (matmuls), eager summed and compiled (summed by chunks, then
     chunks summed) steps equal the no-cache reference, and equal the whole table's attention."""
-    from kit.engine.decode import CPU_FREEZING
+    from kit.engine.decode_runners import CPU_FREEZING
     from kit.engine.model import paged_decode_attention, summed_attention
     from kit.engine.runners import make_runner
     a, lengths, steps = ARCHS["gqa"], [20, 33, 40], 7
@@ -298,7 +298,7 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     no-cache reference."""
     from torch.profiler import profile
 
-    from kit.engine.decode import decode_runner
+    from kit.engine.decode_runners import decode_runner
     a = ARCHS["gqa"]
     model, prompts, batch, _ = paged_run(a, dtype)
     runner = decode_runner(model, batch, prompts, "guard_free")
@@ -317,7 +317,7 @@ def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner():
     runner's copy of the step shares: a runner built after one for a batch of other shapes
     must still compile its own shapes (made dynamic behind its back, a bf16 step's logits were
     off the reference by 60-80%)."""
-    from kit.engine.decode import decode_runner
+    from kit.engine.decode_runners import decode_runner
     model, prompts, batch, _ = paged_run(ARCHS["gqa"], "float32", [20, 33, 40], block_size=32)
     decode_runner(model, batch, prompts, "guard_free").discard()
     model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
@@ -333,7 +333,7 @@ def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
     dynamic), built on the batch's first group of prompts, serves the groups of the other
     lengths without compiling again (a recompile would be an error), and a run through it
     equals the no-cache reference at the prefill and at every step."""
-    from kit.engine.decode import decode_runner, prefill_runner
+    from kit.engine.decode_runners import decode_runner, prefill_runner
     a = ARCHS["gqa"]
     model, prompts, batch, _ = paged_run(a, "float32")
     prefill = prefill_runner(model, batch, prompts)
@@ -348,8 +348,8 @@ EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run
 from torch.profiler import profile
-from kit.engine.decode import (check_against_reference, compiled_matmul_dtype, decode_runner,
-                               generate)
+from kit.engine.decode import check_against_reference, generate
+from kit.engine.decode_runners import compiled_matmul_dtype, decode_runner
 model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
 runner = decode_runner(model, batch, prompts, "guard_free")
 with profile() as prof:
@@ -370,7 +370,7 @@ def test_without_onednn_bf16_kernels_compiled_code_multiplies_in_float32():
     everywhere else."""
     import subprocess
     import sys
-    from kit.engine.decode import compiled_matmul_dtype
+    from kit.engine.decode_runners import compiled_matmul_dtype
     from kit.measure.device import onednn_has_kernels
     assert compiled_matmul_dtype(build_model(ARCHS["gqa"], "float32", "cpu"), "cpu") is None
     bf16 = build_model(ARCHS["gqa"], "bfloat16", "cpu")

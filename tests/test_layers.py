@@ -125,3 +125,13 @@ def test_settings_and_the_report_commands_start_without_torch(tmp_path):
             "    main(['presets'])\n"
             "print(sorted(m for m in ('torch', 'plotly') if m in sys.modules))")
     assert fresh_python(code) == "[]"
+
+
+def test_importing_the_real_vllms_home_imports_no_vllm_and_sets_no_environment():
+    """kit.vllm sets VLLM_ENABLE_V1_MULTIPROCESSING when an engine starts, not at import."""
+    modules = sorted(m for m in MODULES if m.startswith("kit.vllm."))
+    code = ("import os, sys\n"
+            "before = dict(os.environ)\n"
+            f"import {', '.join(modules)}\n"
+            "print(dict(os.environ) == before, 'vllm' in sys.modules)")
+    assert len(modules) >= 5 and fresh_python(code) == "True False"

@@ -105,7 +105,7 @@ def fix_for(check_name: str) -> str | None:
 @dataclass
 class Readiness:
     """Chapter 00's verdict: ready or not, and for each failed check what to do
-    (`kit.show.tables.verdict` shows it)."""
+    (`kit.show.tables.Verdict` shows it)."""
 
     ready: bool
     passed: int
