@@ -13,7 +13,8 @@ from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
 from kit.engine.decode import blocks_needed, decode_runner, generate, make_prompts, new_batch
 from kit.engine.kv_cache import KVCacheSpec, allocate
-from kit.engine.model import build_model, summed_attention
+from kit.engine.layers.attention import summed_attention
+from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.run.checkpoint import write_random_checkpoint
 from kit.run.cli import main

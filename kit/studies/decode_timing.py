@@ -25,7 +25,8 @@ from kit.engine.decode import (Correctness, PagedBatch, check_against_reference,
                                decode_inputs, decode_runner, generate, kv_cache_for,
                                prefill_runner, prompt_lengths)
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
-from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
+from kit.engine.layers.attention import summed_attention
+from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, cpu_kind, describe, synchronize, versions
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost, fmt_flops,
