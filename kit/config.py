@@ -23,12 +23,39 @@ MODELS_DIR = DATA / "models"
 PRESETS_DIR = DATA / "presets"
 DEFAULT_PRESET = "cpu-small"
 
-# model_type in config.json -> what the decoder needs to know about the family.
+# Where a decoder layer's norms sit (`Parts.layer`) -> their names in checkpoints.
+LAYER_NORMS = {
+    "pre_norm": ("input_layernorm", "post_attention_layernorm"),  # before attention, before MLP
+}
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a family's decoder is built from besides its sizes: `kit.engine.model` assembles it
+    from the parts named here (kit/engine/layers). Plain data (no torch), so validation, the
+    parameter count and the checkpoint layout read it too. A new trait is a field here, its
+    default what the other families do, and a part there."""
+
+    architecture: str               # config.json's "architectures" entry
+    attention_bias: bool = False    # Q, K and V biases, unless config.json says otherwise
+    norm: str = "rms"               # a kind in kit.engine.layers.norm.NORMS
+    layer: str = "pre_norm"         # where a layer's norms sit (LAYER_NORMS)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
+    gelu: str = "gelu"              # the activation config.json's "gelu" stands for
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        return LAYER_NORMS[self.layer]
+
+
+# model_type in config.json -> what the decoder is built from.
 FAMILIES = {
-    "llama": {"attention_bias": False, "gemma_norm": False},
-    "mistral": {"attention_bias": False, "gemma_norm": False},
-    "qwen2": {"attention_bias": True, "gemma_norm": False},
-    "gemma": {"attention_bias": False, "gemma_norm": True},
+    "llama": Parts("LlamaForCausalLM"),
+    "mistral": Parts("MistralForCausalLM"),
+    "qwen2": Parts("Qwen2ForCausalLM", attention_bias=True),
+    # Gemma's "gelu" is the tanh approximation, what Gemma actually runs (vLLM does the same)
+    "gemma": Parts("GemmaForCausalLM", norm="gemma_rms", scale_embeddings=True,
+                   gelu="gelu_pytorch_tanh"),
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Largest difference allowed between two computations of the same logits or outputs (paged
@@ -70,7 +97,6 @@ class ModelConfig:
     hidden_act: str
     tie_word_embeddings: bool
     attention_bias: bool
-    gemma_norm: bool
     torch_dtype: str
     checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
     rope_scaling: tuple = ()       # Llama 3's RoPE scaling as (key, value) pairs; () for none
@@ -92,8 +118,8 @@ class ModelConfig:
             raise ConfigError(f"model {name!r}: num_attention_heads={heads} is not a multiple "
                               f"of num_key_value_heads={kv_heads}")
         act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-        if family == "gemma" and act == "gelu":
-            act = "gelu_pytorch_tanh"  # what Gemma actually runs (vLLM does the same)
+        if act == "gelu":
+            act = FAMILIES[family].gelu
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
         return cls(
@@ -106,8 +132,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta(hf),
             hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", FAMILIES[family]["attention_bias"]),
-            gemma_norm=FAMILIES[family]["gemma_norm"],
+            attention_bias=hf.get("attention_bias", FAMILIES[family].attention_bias),
             # transformers 5 writes `dtype` and `rope_parameters` where 4.x wrote
             # `torch_dtype` and `rope_theta`
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
@@ -134,6 +159,16 @@ class ModelConfig:
         name = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_dict(json.loads(path.read_text()), name, checkpoint)
 
+    @property
+    def parts(self) -> Parts:
+        """What the decoder is built from (`FAMILIES`)."""
+        return FAMILIES[self.family]
+
+    @property
+    def gemma_norm(self) -> bool:
+        """Whether the norms store their scale as an offset from 1."""
+        return self.parts.norm == "gemma_rms"
+
     def layer_weights(self) -> int:
         """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
@@ -152,14 +187,13 @@ class ModelConfig:
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
             if self.attention_bias else 0
         embed = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.linear_weights() + embed + self.num_hidden_layers * (bias + 2 * h) + h
+        norms = len(self.parts.layer_norms) * h
+        return self.linear_weights() + embed + self.num_hidden_layers * (bias + norms) + h
 
     def hf_dict(self) -> dict:
         """The config.json that vLLM or transformers would read for this architecture."""
-        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "gemma": "GemmaForCausalLM"}[self.family]
         return {
-            "architectures": [arch], "model_type": self.family,
+            "architectures": [self.parts.architecture], "model_type": self.family,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,

@@ -14,7 +14,8 @@ from kit.engine.checkpoint import hf_shapes
 from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
 from kit.engine.decode_runners import decode_runner
 from kit.engine.kv_cache import KVCacheSpec, allocate
-from kit.engine.model import build_model, summed_attention
+from kit.engine.layers.attention import summed_attention
+from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.cli.new_checkpoint import write_random_checkpoint
 from kit.cli.main import main

@@ -223,7 +223,7 @@ def test_the_compiled_step_equals_the_reference_too():
 
 
 def test_attention_span_rounds_the_longest_context_to_whole_chunks():
-    from kit.engine.model import VALUE_CHUNK, attention_span
+    from kit.engine.layers.attention import VALUE_CHUNK, attention_span
     assert VALUE_CHUNK == 16
     assert attention_span(159, 256) == 160   # 128-token blocks: 160 positions read, not 256
     assert attention_span(160, 160) == 160
@@ -235,7 +235,7 @@ def test_a_batch_reads_its_span_not_its_whole_table():
     (three chunks of 16); eager (matmuls), eager summed and compiled (summed by chunks, then
     chunks summed) steps equal the no-cache reference, and equal the whole table's attention."""
     from kit.engine.decode_runners import CPU_FREEZING
-    from kit.engine.model import paged_decode_attention, summed_attention
+    from kit.engine.layers.attention import paged_decode_attention, summed_attention
     from kit.engine.runners import make_runner
     a, lengths, steps = ARCHS["gqa"], [20, 33, 40], 7
     model, prompts, batch, eager = paged_run(a, "float32", lengths, steps, block_size=32)

@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kit.config import ModelConfig
-from kit.engine.model import apply_rope, build_model, dummy_batch, rope_cos_sin, weights_bytes
+from kit.config import FAMILIES, ModelConfig
+from kit.engine.checkpoint import layout
+from kit.engine.layers.rotary import apply_rope, rope_cos_sin
+from kit.engine.model import build_model, dummy_batch, weights_bytes
 
 
 def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
@@ -32,6 +34,16 @@ def test_shapes_and_weight_bytes(key):
     assert ids.shape == (3, 8) and hidden.shape == (3, 8, 64)
     assert model.compute_logits(hidden[:, -1]).shape == (3, arch.vocab_size)
     assert weights_bytes(model) == arch.num_parameters() * 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_builds_the_parameters_its_checkpoints_hold(family):
+    """Each family's description (`FAMILIES`) names parts that exist, and the parameters they
+    make are the ones the checkpoint layout and the parameter count expect."""
+    arch = small(family)
+    model = build_model(arch, "float32", "cpu")
+    assert set(layout(arch)) == {name for name, _ in model.named_parameters()}
+    assert weights_bytes(model) == arch.num_parameters() * 4
 
 
 def test_float32_weights_bytes_exact():

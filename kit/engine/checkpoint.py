@@ -40,7 +40,7 @@ def layout(arch: ModelConfig) -> dict[str, list[str]]:
         names[f"{kit}mlp.gate_up_proj.weight"] = [f"{hf}mlp.gate_proj.weight",
                                                   f"{hf}mlp.up_proj.weight"]
         names[f"{kit}mlp.down_proj.weight"] = [f"{hf}mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in arch.parts.layer_norms:
             names[f"{kit}{norm}.weight"] = [f"{hf}{norm}.weight"]
     return names
 

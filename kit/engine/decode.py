@@ -3,11 +3,11 @@ reference to check them against (timing per strategy: `kit.studies.decode_timing
 
 A batch of prompts is prefilled into the cache through chapter 02's `BlockAllocator`; then each
 decode step feeds one token per sequence, and its attention reads keys and values back through
-the block table (`kit.engine.model.paged_decode_attention`). The step is built to compile well: its
-inputs are the same tensors every step (token ids, positions, block tables, the cache), updated
-in place, with shapes fixed by the batch size, the table's width and the positions its attention
-reads (the batch's longest context, `max_context_len`); there is no Python control flow on their
-values. So one compiled graph, or one CUDA graph, serves every step.
+the block table (`kit.engine.layers.attention.paged_decode_attention`). The step is built to
+compile well: its inputs are the same tensors every step (token ids, positions, block tables,
+the cache), updated in place, with shapes fixed by the batch size, the table's width and the
+positions its attention reads (the batch's longest context, `max_context_len`); there is no
+Python control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
 The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
 CPU once for any number and length of prompts (`kit.engine.decode_runners`).
 
@@ -25,7 +25,8 @@ import torch
 from kit.config import TOLERANCE, Settings
 from kit.engine.block_table import BlockAllocator
 from kit.engine.kv_cache import KVCacheSpec, allocate
-from kit.engine.model import AttentionMetadata, Decoder, attention_span
+from kit.engine.layers.attention import AttentionMetadata, attention_span
+from kit.engine.model import Decoder
 from kit.errors import ConfigError
 from kit.measure.device import synchronize
 from kit.measure.timing import StepClock

@@ -24,8 +24,9 @@ from kit.engine.decode import (Correctness, PagedBatch, check_against_reference,
                                decode_inputs, generate, kv_cache_for, prompt_lengths)
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
+from kit.engine.layers.attention import summed_attention
 from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
-from kit.engine.model import Decoder, build_model, summed_attention, weights_bytes
+from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed

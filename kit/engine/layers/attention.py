@@ -1,0 +1,181 @@
+"""Grouped- or multi-query attention over the paged KV cache (chapters 01, 03–05; paged
+decode, chapters 04 and 05).
+
+Attention is one method, `Attention.attend`. Without `AttentionMetadata` it is plain causal
+attention within each sequence. With it, the layer first writes its keys and values into the
+paged cache at `slot_mapping`; a prefill then attends as before, a decode step reads every
+sequence's keys and values back through its block table (`block_tables`, `context_lens`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kit.config import ModelConfig
+from kit.engine.layers.linear import Linear
+from kit.engine.layers.rotary import apply_rope
+
+
+class AttentionMetadata(NamedTuple):
+    """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
+
+    kv_cache:        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+                     (engine.kv_cache)
+    slot_mapping:    [tokens] flat slot (block × block_size + offset) of each token's K and V
+    block_tables:    [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
+    context_lens:    [num_seqs] tokens each sequence attends to (its new token included)
+    max_context_len: positions a decode step reads per sequence, fixed for the batch (its
+                     longest context, `attention_span`); None: the table's whole width
+
+    A NamedTuple, so torch.compile traces it without guarding on Python state but the one int,
+    which stays the same for a batch (vLLM's attention metadata carries `max_seq_len` too).
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_context_len: int | None = None
+
+
+def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots.
+
+    One `index_put_` on the whole cache, indexed by (layer, K or V, block, offset): compiled,
+    that is an in-place scatter of just these rows. Written through a view instead (one
+    layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
+    block_size = kv_cache.shape[3]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    layer = torch.full_like(slot_mapping, layer_idx)
+    kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
+    kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
+                         torch.cat([offset, offset])), torch.cat([k, v]))
+
+
+# The paged attention's form run eagerly: two matmuls, unless `summed_attention()` asks for the
+# summed products compiled code always runs, so chapter 04 can tell what the form buys from
+# what the compiler buys. (Compiled code never reads this: the branch is taken while tracing.)
+_EAGER_SUMMED = {"on": False}
+
+
+@contextlib.contextmanager
+def summed_attention():
+    """Within it, eager paged attention sums products, as compiled code does."""
+    before, _EAGER_SUMMED["on"] = _EAGER_SUMMED["on"], True
+    try:
+        yield
+    finally:
+        _EAGER_SUMMED["on"] = before
+
+
+def summed_form() -> bool:
+    """Whether the paged attention sums products (always, compiled) or calls two matmuls."""
+    return True if torch.compiler.is_compiling() else _EAGER_SUMMED["on"]
+
+
+# Compiled, the values' weighted sum runs over chunks of this many positions, then over the
+# chunks: one long sum per output is a chain of dependent additions, and shorter ones, side by
+# side, keep the CPU's vector units busy (the README gives the times seen).
+VALUE_CHUNK = 16
+
+
+def attention_span(longest_context: int, table_positions: int) -> int:
+    """Positions a decode step's attention reads per sequence: the batch's longest context
+    rounded up to whole VALUE_CHUNKs, within the table's positions (width × block_size)."""
+    return min(-(-longest_context // VALUE_CHUNK) * VALUE_CHUNK, table_positions)
+
+
+def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of weights [seqs, kv_heads, group, len] × values [seqs, len, kv_heads,
+    dim] -> [seqs, kv_heads, group, dim], as summed products in float32, by VALUE_CHUNKs of
+    positions where the length divides into them."""
+    num_seqs, length, kv_heads, head_dim = v.shape
+    v = v.permute(0, 2, 1, 3)[:, :, None].float()  # [seqs, kv_heads, 1, len, dim]
+    if length % VALUE_CHUNK:
+        return (weights[..., None] * v).sum(-2)
+    chunks = (num_seqs, kv_heads, -1, length // VALUE_CHUNK, VALUE_CHUNK)
+    products = weights.reshape(chunks)[..., None] * v.reshape(*chunks, head_dim)
+    return products.sum(-2).sum(-2)
+
+
+def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           max_context_len: int | None = None):
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
+
+    Keys and values are gathered through the block table, the first `max_context_len`
+    positions of each sequence's table (all of them by default): every shape depends only on
+    the batch, never on the contexts' lengths, so one compiled graph (or one CUDA graph) serves
+    every step. Positions past a sequence's context (the padding of its last block, or of its
+    table) are masked out; the softmax runs in float32.
+    """
+    num_seqs, width = block_tables.shape
+    _, _, block_size, kv_heads, head_dim = layer_cache.shape
+    length, group = max_context_len or width * block_size, q.shape[1] // kv_heads
+    k = layer_cache[0][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    v = layer_cache[1][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    # The same arithmetic written two ways (the branch is taken once, while tracing): run
+    # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
+    # which Inductor turns into one kernel that gathers through the table as it goes (faster
+    # than compiled matmuls; the README gives the times seen). `summed_attention` sums eagerly too.
+    summed = summed_form()
+    if summed:
+        qg = q.view(num_seqs, kv_heads, group, 1, head_dim).float()
+        scores = (qg * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1)
+    else:  # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
+        scores = torch.matmul(q.view(num_seqs, kv_heads, group, head_dim),
+                              k.permute(0, 2, 3, 1)).float()
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
+    weights = (scores * head_dim ** -0.5).softmax(-1)
+    if summed:
+        out = weighted_values(weights, v)
+    else:
+        out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
+    return out.to(q.dtype).reshape(q.shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx  # which slice of the KV cache is this layer's
+        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q, kv, kv)
+        # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
+        # layer instead of three, which streams the weights faster at a decode batch.
+        self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
+        self.o_proj = Linear(q, arch.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = self.attend(q, k, v, num_seqs, meta)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
+        """Causal attention within each of `num_seqs` equal-length sequences; with `meta`, the
+        keys and values are also written to the paged cache, and a decode step (one token per
+        sequence, `meta.block_tables` given) reads its whole context back from there."""
+        if meta is not None:
+            write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+            if meta.block_tables is not None:
+                return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
+                                              meta.block_tables, meta.context_lens,
+                                              meta.max_context_len)
+
+        def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
+            return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            per_seq(q), per_seq(k), per_seq(v), is_causal=True,
+            enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(q.shape)

@@ -1,0 +1,26 @@
+"""The gated MLP and its activation (chapters 01, 03–05): down(act(gate) × up), with SiLU or
+GELU as `ModelConfig.hidden_act` names it (Gemma's "gelu" already resolved by `kit.config`).
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from kit.config import ModelConfig
+from kit.engine.layers.linear import Linear
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        # The gate and up projections in one matrix (vLLM's MergedColumnParallelLinear).
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gelu = arch.hidden_act != "silu"
+        # "gelu" is the exact (erf) GELU in transformers; the others are the tanh approximation
+        self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
