@@ -18,8 +18,8 @@ from kit.results import current_names
 
 SWEEP_FILE = "sweep.json"
 
-SEED_CHAPTER = "01_memory_profiling"
-SEED_PARAMETER = "max_num_batched_tokens"
+PR_CHAPTER = "01_memory_profiling"
+PR_PARAMETER = "max_num_batched_tokens"
 
 
 def load_sweep(folder) -> dict:
@@ -93,10 +93,10 @@ def curve_lines(sweep: dict, name: str, parameter: str) -> list[tuple[str, list,
 def pr_series(sweep: dict) -> list[tuple[str, list, list, list]]:
     """(label, tokens, eager blocks, compiled blocks) for the PR's curve, when the sweep ran
     chapter 01 over max_num_batched_tokens; else []."""
-    if SEED_PARAMETER not in sweep["grid"]:
+    if PR_PARAMETER not in sweep["grid"]:
         return []
-    eager = curve_lines(sweep, f"{SEED_CHAPTER}.kv_blocks.eager", SEED_PARAMETER)
-    compiled = curve_lines(sweep, f"{SEED_CHAPTER}.kv_blocks.compiled", SEED_PARAMETER)
+    eager = curve_lines(sweep, f"{PR_CHAPTER}.kv_blocks.eager", PR_PARAMETER)
+    compiled = curve_lines(sweep, f"{PR_CHAPTER}.kv_blocks.compiled", PR_PARAMETER)
     series = []
     for (label, xs, e, _), (_, xs2, c, _) in zip(eager, compiled):
         if xs == xs2:
