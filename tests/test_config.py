@@ -37,7 +37,6 @@ def test_config_json_path_with_head_dim_unlike_hidden_over_heads(tmp_path):
     assert load(model=str(tmp_path)).arch.head_dim == 80  # a folder holding config.json
 
 
-
 def test_config_json_as_transformers_5_writes_it(tmp_path):
     """transformers 5 writes `dtype` and `rope_parameters` instead of `torch_dtype` and
     `rope_theta`; both are read (else the kit would run rope_theta 10000 and bfloat16)."""
@@ -46,6 +45,7 @@ def test_config_json_as_transformers_5_writes_it(tmp_path):
     hf.update(dtype="float32", rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
     arch = ModelConfig.from_dict(hf, "t5")
     assert (arch.rope_theta, arch.torch_dtype) == (1e6, "float32")
+
 
 def test_unsupported_family_is_refused(tmp_path):
     path = write_config(tmp_path, model_type="gpt2")

@@ -9,7 +9,6 @@ from kit.studies.memory_profiling import check_fits, no_kv_cache_message, profil
 from kit.units import GiB
 
 
-
 @pytest.fixture(scope="module")
 def profiles():
     return profile_memory(load("cpu-small", max_num_batched_tokens=512, device="cpu"))

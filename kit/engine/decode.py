@@ -33,6 +33,7 @@ from kit.measure.timing import StepClock
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
 
+
 def prompt_lengths(batch_size: int, input_len: int, mixed: bool = False) -> list[int]:
     """`batch_size` prompts of `input_len` tokens, or with `mixed`, spread between about half
     of input_len and input_len (odd sizes, so they end inside blocks, not on their edges)."""

@@ -22,7 +22,6 @@ from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check
 from kit.errors import ConfigError
 
 
-
 def memory_budget(capacity_bytes: int, gpu_memory_utilization: float) -> int:
     """The memory the engine may use: capacity × gpu_memory_utilization (vLLM's requested
     memory), which weights, activations and the KV cache share."""

@@ -22,6 +22,7 @@ from kit.results import current_names
 
 # ---------------------------------------------------------------- reading a run folder
 
+
 def load_run(folder) -> dict:
     """summary.json of a run folder, each notebook's recorded results filled in (with today's
     names: a run recorded before a result was renamed reads the same)."""

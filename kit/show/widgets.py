@@ -12,7 +12,6 @@ from kit.studies.kv_cache_sizing import calculate
 from kit.units import GiB
 
 
-
 MAX_MODEL_LENS = [2**k for k in range(7, 18)]
 
 

@@ -10,9 +10,9 @@ loop `LLM.generate` runs) is timed: greedy, end of sequence ignored, prefix cach
 first generation is a warm-up; of the others, the prefill step(s) are timed apart, the median
 over every decode step is reported, and each whole generation is timed end to end. A step
 holds everything vLLM does per step: scheduling, input preparation, the model, sampling,
-output processing. (Timing whole generations of n and of 1
-tokens and dividing the difference by n - 1 gives the same on a quiet machine, but on a shared
-one each difference carries the noise of two runs.)
+output processing. (Timing whole generations of n and of 1 tokens and dividing the difference
+by n - 1 gives the same on a quiet machine, but on a shared one each difference carries the
+noise of two runs.)
 
 When vLLM is missing or cannot start, the functions return a result whose `error` is a message
 saying why and what to do, never a traceback, so a notebook can go on.

@@ -8,6 +8,7 @@ from kit.units import MiB
 from kit.vllm.engine_runs import keep_torch_threads, shutdown
 from kit.vllm.installed import in_process
 
+
 @dataclass
 class GreedyRun:
     """vLLM's greedy tokens for each prompt, from a checkpoint's real weights, and the

@@ -11,6 +11,7 @@ from kit.vllm.installed import vllm_missing
 from kit.vllm.log import captured_vllm_log, fail_message
 from kit.vllm.model_folder import write_model_folder
 
+
 @dataclass
 class VLLMKVSizing:
     """What vLLM's KV cache code decides for one config and budget (no engine started)."""

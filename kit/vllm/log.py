@@ -7,6 +7,7 @@ import logging
 import time
 import warnings
 
+
 def fail_message(e: BaseException) -> str:
     """One line from an exception vLLM raised, with what the learner can do."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
