@@ -16,7 +16,8 @@ from pathlib import Path
 from kit.config import DATA
 
 RUN_DIR_ENV = "KIT_RUN_DIR"
-BENCH_DIR = DATA.parent / "runs" / "bench"
+RUNS_DIR = DATA.parent / "runs"  # the checkout's: JupyterLab's runs and the benchmarks' files
+BENCH_DIR = RUNS_DIR / "bench"
 
 
 def now_stamp() -> str:
@@ -44,7 +45,7 @@ def bench_output(kind: str, preset: str, suffix: str = "") -> Path:
 
 def run_dir() -> Path:
     """The run folder `python -m kit run` set (KIT_RUN_DIR), else runs/interactive for JupyterLab."""
-    path = Path(os.environ.get(RUN_DIR_ENV) or DATA.parent / "runs" / "interactive")
+    path = Path(os.environ.get(RUN_DIR_ENV) or RUNS_DIR / "interactive")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
