@@ -5,7 +5,7 @@ from kit.config import load
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, physical_memory_bytes
 from kit.measure.memory import probe_measurement
-from kit.studies.memory_profiling import check_fits, no_kv_cache_message, profile_memory
+from kit.engine.memory_profile import check_fits, no_kv_cache_message, profile_memory
 from kit.units import GiB
 
 
