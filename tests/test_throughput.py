@@ -81,3 +81,10 @@ def test_dtype_speed_comes_from_chapter_00_when_recorded():
     assert dtype_speed_here("cpu", "float32", recorded) is None
     measured = dtype_speed_here("cpu", "bfloat16", {"settings": {"device": "cuda"}})
     assert measured.flops_per_second > 0 and measured.float32_flops_per_second > 0
+
+
+def test_a_measured_rate_beside_float32s():
+    from kit.measure.dtype_speed import beside_float32
+    assert beside_float32("cpu", "float32", 1e9) is None  # nothing to compare, nothing measured
+    speed = beside_float32("cpu", "bfloat16", 1e6)  # a rate far below any float32 matmul's
+    assert speed.flops_per_second == 1e6 and speed.float32_flops_per_second > 1e6 and speed.slow

@@ -84,6 +84,14 @@ def dtype_note(speed: DtypeSpeed | None, isa: dict | None) -> str:
     return f"{note} {slow_dtype_consequence(speed.dtype, speed)}" if speed.slow else note
 
 
+def beside_float32(device: str, dtype: str, rate: float) -> DtypeSpeed | None:
+    """`rate`, the FLOP/s just measured in `dtype`, against float32's measured now (bounded;
+    None in float32): says whether `dtype` is emulated here (chapter 04)."""
+    if dtype == "float32":
+        return None
+    return DtypeSpeed(dtype, rate, matmul_throughput(device, "float32").rate)
+
+
 def dtype_speed_here(device: str, dtype: str, recorded: dict | None) -> DtypeSpeed | None:
     """`dtype`'s matmul speed against float32's: chapter 00's measurement when this run folder
     holds one for the same device (`recorded`), else measured now (a second per dtype)."""

@@ -29,10 +29,10 @@ from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
-from kit.measure.dtype_speed import DtypeSpeed
+from kit.measure.dtype_speed import DtypeSpeed, beside_float32
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
-from kit.measure.throughput import copy_bandwidth, hardware_figures, matmul_throughput
+from kit.measure.throughput import copy_bandwidth, hardware_figures
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
 from kit.units import GiB, fmt_flops
@@ -380,7 +380,7 @@ def run_decode(settings: Settings, progress=print, recorded: dict | None = None)
     kv_cache = kv_cache_for(settings, fit.blocks_needed)
     progress("measuring copy bandwidth and matmul throughput (about a second each) ...")
     limits = measure_limits(settings.device, settings.dtype)
-    speed = dtype_speed(settings, limits)
+    speed = beside_float32(settings.device, settings.dtype, limits.matmul_flops_per_second)
     progress(f"  {limits.bandwidth / 1e9:,.1f} GB/s copy, "
              f"{fmt_flops(limits.matmul_flops_per_second)} {settings.dtype} matmul"
              + (f" ({speed.slowdown:,.1f}× slower than float32)" if speed and speed.slow else ""))
@@ -405,15 +405,6 @@ def run_decode(settings: Settings, progress=print, recorded: dict | None = None)
     return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs, speed, summed,
                         machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()})
-
-
-def dtype_speed(settings: Settings, limits: DeviceLimits) -> DtypeSpeed | None:
-    """The run's matmul throughput against float32's, measured now (bounded; None in float32):
-    says whether the run's dtype is emulated here."""
-    if settings.dtype == "float32":
-        return None
-    f32 = matmul_throughput(settings.device, "float32")
-    return DtypeSpeed(settings.dtype, limits.matmul_flops_per_second, f32.rate)
 
 
 def step_costs(settings: Settings, fit: CacheFit) -> list[StepCost]:
