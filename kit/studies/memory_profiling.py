@@ -31,12 +31,12 @@ class VersusPR:
 
     kv_ratio: float             # KV cache bytes, compiled ÷ eager
     activation_ratio: float     # peak activations, compiled ÷ eager
-    pr_kv_ratio: float        # the PR's KV blocks, compiled ÷ eager (Gemma-2B on a GPU)
+    pr_kv_ratio: float          # the PR's KV blocks, compiled ÷ eager (Gemma-2B on a GPU)
     pr_blocks: tuple[int, int]  # the PR's (compiled, eager) blocks
     extra_bytes: int            # the eager peak's activations beyond the compiled one's
     eager_kv_bytes: int         # what the eager profile leaves the KV cache
     weights_share: float        # weights ÷ the device's capacity, here
-    pr_weights_share: float   # Gemma-2B's bf16 weights ÷ the 16 GiB its numbers fit
+    pr_weights_share: float     # Gemma-2B's bf16 weights ÷ the 16 GiB its numbers fit
 
     @property
     def extra_over_eager_kv(self) -> float:
