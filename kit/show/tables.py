@@ -7,6 +7,10 @@ import html
 from kit.units import MiB, fmt_bytes, fmt_flops
 
 
+# The column beside the measured numbers: the pull request the kit is built around.
+PR_COLUMN = "vLLM #7796 (Gemma-2B, GPU)"
+
+
 class Table:
     """A small table that shows as HTML in JupyterLab and as text in logs."""
 
@@ -125,19 +129,19 @@ def memory_pr_table(v) -> Table:
     compiled, eager = v.pr_blocks
     return Table([{"quantity": "KV cache, compiled profile ÷ eager profile",
                    "measured here": f"{v.kv_ratio:.4f}",
-                   "vLLM #7796 (Gemma-2B, GPU)": f"{v.pr_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
+                   PR_COLUMN: f"{v.pr_kv_ratio:.4f} ({compiled} / {eager} blocks)"},
                   {"quantity": "the eager profile's extra activations ÷ the KV cache it leaves",
                    "measured here": f"{fmt_bytes(v.extra_bytes)} ÷ "
                                     f"{fmt_bytes(v.eager_kv_bytes)} = {v.extra_over_eager_kv:.3f}",
-                   "vLLM #7796 (Gemma-2B, GPU)": f"{compiled - eager} ÷ {eager} blocks = "
-                                           f"{v.pr_extra_over_eager_kv:.3f}"},
+                   PR_COLUMN: f"{compiled - eager} ÷ {eager} blocks = "
+                              f"{v.pr_extra_over_eager_kv:.3f}"},
                   {"quantity": "peak activations, compiled ÷ eager",
                    "measured here": f"{v.activation_ratio:.3f}",
-                   "vLLM #7796 (Gemma-2B, GPU)": "not published"},
+                   PR_COLUMN: "not published"},
                   {"quantity": "weights ÷ the device's capacity",
                    "measured here": f"{v.weights_share:.1%}",
-                   "vLLM #7796 (Gemma-2B, GPU)": f"{v.pr_weights_share:.1%} (bf16 weights on the "
-                                           "16 GiB GPU its numbers fit)"}])
+                   PR_COLUMN: f"{v.pr_weights_share:.1%} (bf16 weights on the "
+                              "16 GiB GPU its numbers fit)"}])
 
 
 # --- chapter 02 -------------------------------------------------------------------------------
@@ -240,25 +244,25 @@ def compile_pr_table(comparison, ratios: dict, pr: dict) -> Table:
                            r["guard_free"])
     return Table([
         {"quantity": "KV blocks, compiled profile ÷ eager profile (4 ÷ 3)",
-         "vLLM #7796 (Gemma-2B, GPU)": f"{ratios['pr_blocks_ratio']:.3f} "
-                                 f"({pr['kv_blocks_profile_compiled']} / "
-                                 f"{pr['kv_blocks_profile_eager']})",
+         PR_COLUMN: f"{ratios['pr_blocks_ratio']:.3f} "
+                    f"({pr['kv_blocks_profile_compiled']} / "
+                    f"{pr['kv_blocks_profile_eager']})",
          "measured here": f"{ratios['measured_blocks_ratio']:.4f} "
                           f"({p4.num_blocks:,} / {p3.num_blocks:,})"},
         {"quantity": "decode step, profiling compile discarded ÷ kept (4 ÷ 2)",
-         "vLLM #7796 (Gemma-2B, GPU)": f"{ratios['pr_step_ratio']:.3f} "
-                                 f"({pr['decode_step_ms_after']} / "
-                                 f"{pr['decode_step_ms_before']} ms)",
+         PR_COLUMN: f"{ratios['pr_step_ratio']:.3f} "
+                    f"({pr['decode_step_ms_after']} / "
+                    f"{pr['decode_step_ms_before']} ms)",
          "measured here": f"{ratios['measured_step_ratio']:.3f} "
                           f"({p4.forward_seconds * 1e3:.2f} / "
                           f"{stock.forward_seconds * 1e3:.2f} ms)"},
         {"quantity": "Dynamo overhead per step",
-         "vLLM #7796 (Gemma-2B, GPU)": f"{pr['dynamo_overhead_ms_low']}–"
-                                 f"{pr['dynamo_overhead_ms_high']} ms saved",
+         PR_COLUMN: f"{pr['dynamo_overhead_ms_low']}–"
+                    f"{pr['dynamo_overhead_ms_high']} ms saved",
          "measured here": f"stock {stock.dynamo_overhead_seconds * 1e3:.3f} ms, "
                           f"guard-free {free.dynamo_overhead_seconds * 1e3:.3f} ms"},
         {"quantity": "guards on the served code",
-         "vLLM #7796 (Gemma-2B, GPU)": str(pr["served_guards"]),
+         PR_COLUMN: str(pr["served_guards"]),
          "measured here": f"{p4.guards_total} (stock compile, {p4.cache_entries} entries), "
                           f"{free.guards_total} guard-free"}])
 
