@@ -164,11 +164,6 @@ class ModelConfig:
         """What the decoder is built from (`FAMILIES`)."""
         return FAMILIES[self.family]
 
-    @property
-    def gemma_norm(self) -> bool:
-        """Whether the norms store their scale as an offset from 1."""
-        return self.parts.norm == "gemma_rms"
-
     def layer_weights(self) -> int:
         """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \

@@ -17,7 +17,7 @@ def test_presets_match_published_parameter_counts(name, count):
 
 
 def test_presets_load_with_their_families():
-    assert ModelConfig.load("gemma-2b").gemma_norm and ModelConfig.load("gemma-2b").num_key_value_heads == 1
+    assert ModelConfig.load("gemma-2b").parts.norm == "gemma_rms" and ModelConfig.load("gemma-2b").num_key_value_heads == 1
     assert ModelConfig.load("qwen2.5-0.5b").attention_bias
     assert ModelConfig.load("qwen2.5-0.5b").head_dim == 64  # derived: 896 / 14
     assert ModelConfig.load("gemma-2b").hidden_act == "gelu_pytorch_tanh"
