@@ -139,7 +139,7 @@ def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
 
 def test_the_machine_section_gathers_what_chapters_measured():
     from kit.execute.notebooks import add_measured_hardware
-    from kit.measure.throughput import hardware_figures
+    from kit.measure.dtype_speed import hardware_figures
     ch00 = {"results": {"hardware": hardware_figures(30e9, {"float32": 70e9, "bfloat16": 1e9})}}
     ch04 = {"results": {"hardware": hardware_figures(20e9, {"bfloat16": 2e9, "float32": 70e9})}}
     assert ch00["results"]["hardware"] == {"copy_GB_per_s": 30.0,

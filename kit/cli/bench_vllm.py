@@ -54,8 +54,10 @@ def bench_vllm(args) -> int:
     load_before = os.getloadavg()
     print(f"kit: {settings.arch.name} {settings.dtype}, batch {settings.batch_size}, "
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
-    kit, runs = vllm_side_by_side.side_by_side(settings, folder, progress=lambda m: print(m, flush=True))
-    comparisons = vllm_side_by_side.decode_comparison(kit, {m: r for m, r in runs.items() if r.ok})
+    kit, runs = vllm_side_by_side.side_by_side(settings, folder,
+                                               progress=lambda m: print(m, flush=True))
+    started = {m: r for m, r in runs.items() if r.ok}
+    comparisons = vllm_side_by_side.decode_comparison(kit, started)
     result = {"preset": args.preset, "parameters": parse_params(args.param),
               "settings": settings.as_dict(),
               "machine": describe(settings.device),

@@ -6,9 +6,9 @@
 Each run gets a new folder (never overwriting an earlier one) holding the executed notebooks,
 each chapter's recorded results and checks (JSON), its figures, `summary.json` with the
 parameters, device and versions, `kernel.log` (the kernels' output and the libraries' logs,
-kit/execute/runlog.py) and `report.html` (kit/pages/report.py). On a terminal each notebook has one
-live line (kit/execute/progress.py). A failing notebook does not stop the others; the summary names
-its failing cell. The exit status is non-zero when any notebook or check failed.
+kit/execute/runlog.py) and `report.html` (kit/pages/report.py). On a terminal each notebook has
+one live line (kit/execute/progress.py). A failing notebook does not stop the others; the
+summary names its failing cell. The exit status is non-zero when any notebook or check failed.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
 from kit.execute.progress import Progress
-from kit.results import RUN_DIR_ENV, new_run_dir
 from kit.execute.runlog import LOG_NAME, RunLog
+from kit.results import RUN_DIR_ENV, new_run_dir
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
@@ -150,7 +150,7 @@ def print_summary(statuses: list[dict], run: Path) -> None:
 
 def add_measured_hardware(machine: dict, chapter: str, recorded: dict | None) -> None:
     """Into summary.json's machine section: what `chapter` measured of the hardware (its
-    results' `hardware`, `kit.measure.throughput.hardware_figures`), the first chapter to measure
+    results' `hardware`, `kit.measure.dtype_speed.hardware_figures`), the first chapter to measure
     a figure keeping it (chapter 00 measures every dtype)."""
     measured = ((recorded or {}).get("results") or {}).get("hardware")
     if measured:

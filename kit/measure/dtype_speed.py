@@ -84,6 +84,20 @@ def dtype_note(speed: DtypeSpeed | None, isa: dict | None) -> str:
     return f"{note} {slow_dtype_consequence(speed.dtype, speed)}" if speed.slow else note
 
 
+def hardware_figures(copy_rate: float | None, matmul_rates: dict[str, float]) -> dict:
+    """What a chapter measured of the hardware, in the one shape every run's machine section
+    gathers (`python -m kit run` reads this, never a chapter's own results): the copy in GB/s,
+    matmuls in GFLOP/s per dtype, and each other dtype's `DtypeSpeed.slowdown` where float32's
+    was measured too."""
+    out = {} if copy_rate is None else {"copy_GB_per_s": copy_rate / 1e9}
+    out.update({f"matmul_GFLOP_per_s.{d}": rate / 1e9 for d, rate in matmul_rates.items()})
+    if "float32" in matmul_rates:
+        f32 = matmul_rates["float32"]
+        out.update({f"slowdown_vs_float32.{d}": DtypeSpeed(d, rate, f32).slowdown
+                    for d, rate in matmul_rates.items() if d != "float32"})
+    return out
+
+
 def beside_float32(device: str, dtype: str, rate: float) -> DtypeSpeed | None:
     """`rate`, the FLOP/s just measured in `dtype`, against float32's measured now (bounded;
     None in float32): says whether `dtype` is emulated here (chapter 04)."""
@@ -102,8 +116,7 @@ def dtype_speed_here(device: str, dtype: str, recorded: dict | None) -> DtypeSpe
     matmul = recorded.get("results", {}).get("matmul") if same_device else None
     if matmul and dtype in matmul:
         return DtypeSpeed(dtype, matmul[dtype]["rate"], matmul["float32"]["rate"])
-    rates = {k: matmul_throughput(device, k).rate for k in ("float32", dtype)}
-    return DtypeSpeed(dtype, rates[dtype], rates["float32"])
+    return beside_float32(device, dtype, matmul_throughput(device, dtype).rate)
 
 
 def dtype_note_here(device: str, dtype: str, recorded: dict | None = None,

@@ -107,16 +107,3 @@ def matmul_throughput(device: str, dtype: str, budget: float = BUDGET_SECONDS) -
         return lambda: a @ b
     return bounded("matmul", device, dtype, make_call, lambda n: 2 * n**3, 128, limit, 3, 64,
                    budget)
-
-
-def hardware_figures(copy_rate: float | None, matmul_rates: dict[str, float]) -> dict:
-    """What a chapter measured of the hardware, in the one shape every run's machine section
-    gathers (`python -m kit run` reads this, never a chapter's own results): the copy in GB/s,
-    matmuls in GFLOP/s per dtype, and each other dtype's slowdown against float32 where both
-    were measured (float32's FLOP/s ÷ its own)."""
-    out = {} if copy_rate is None else {"copy_GB_per_s": copy_rate / 1e9}
-    out.update({f"matmul_GFLOP_per_s.{d}": rate / 1e9 for d, rate in matmul_rates.items()})
-    if "float32" in matmul_rates:
-        out.update({f"slowdown_vs_float32.{d}": matmul_rates["float32"] / rate
-                    for d, rate in matmul_rates.items() if d != "float32"})
-    return out

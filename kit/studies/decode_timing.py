@@ -29,10 +29,10 @@ from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
-from kit.measure.dtype_speed import DtypeSpeed, beside_float32
+from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
-from kit.measure.throughput import copy_bandwidth, hardware_figures
+from kit.measure.throughput import copy_bandwidth
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
 from kit.units import GiB, fmt_flops

@@ -11,8 +11,8 @@ import torch
 
 from kit.measure.device import synchronize
 from kit.measure.memory import probe_measurement
-from kit.measure.throughput import (MATMUL_DTYPES, Throughput, copy_bandwidth, hardware_figures,
-                                     matmul_throughput)
+from kit.measure.dtype_speed import hardware_figures
+from kit.measure.throughput import MATMUL_DTYPES, Throughput, copy_bandwidth, matmul_throughput
 from kit.units import MiB
 
 PROBE_BYTES = 64 * MiB
