@@ -26,7 +26,13 @@ DEFAULT_PRESET = "cpu-small"
 # Where a decoder layer's norms sit (`Parts.layer`) -> their names in checkpoints.
 LAYER_NORMS = {
     "pre_norm": ("input_layernorm", "post_attention_layernorm"),  # before attention, before MLP
+    # Gemma 2 and 3: around attention and around the MLP, each output normed before it is added
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
 }
+# A layer's attention kind, as config.json's `layer_types` names it: a full layer attends to
+# every earlier position, a sliding one to the last `sliding_window` (itself included).
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,12 @@ class Parts:
 
     architecture: str               # config.json's "architectures" entry
     attention_bias: bool = False    # Q, K and V biases, unless config.json says otherwise
+    tie_word_embeddings: bool = False  # the LM head is the embedding, unless config.json says
     norm: str = "rms"               # a kind in kit.engine.layers.norm.NORMS
     layer: str = "pre_norm"         # where a layer's norms sit (LAYER_NORMS)
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
     gelu: str = "gelu"              # the activation config.json's "gelu" stands for
+    qk_norm: bool = False           # each head's query and key normed before RoPE (q_norm, k_norm)
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -55,8 +63,44 @@ FAMILIES = {
     "qwen2": Parts("Qwen2ForCausalLM", attention_bias=True),
     # Gemma's "gelu" is the tanh approximation, what Gemma actually runs (vLLM does the same)
     "gemma": Parts("GemmaForCausalLM", norm="gemma_rms", scale_embeddings=True,
-                   gelu="gelu_pytorch_tanh"),
+                   gelu="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "qwen3": Parts("Qwen3ForCausalLM", qk_norm=True),
+    "gemma2": Parts("Gemma2ForCausalLM", norm="gemma_rms", layer="sandwich",
+                    scale_embeddings=True, gelu="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma3_text": Parts("Gemma3ForCausalLM", norm="gemma_rms", layer="sandwich",
+                         scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
+                         tie_word_embeddings=True),
 }
+# Kinds of model the decoder does not build, refused before any work by what they need.
+OUT_OF_REACH = {
+    "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
+    "mixture of experts": ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "dbrx", "olmoe",
+                           "granitemoe", "llama4", "llama4_text", "jamba"),
+    "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
+                                               "bamba", "nemotron_h", "zamba2", "lfm2"),
+}
+# config.json keys that never change a forward pass's arithmetic (token ids, training-only
+# settings, bookkeeping); every other key is read (`ModelConfig.from_dict`) or refused by name.
+INERT_KEYS = {
+    "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
+    "initializer_range", "use_cache", "transformers_version", "attention_dropout",
+    "_name_or_path", "torch_dtype", "dtype", "cache_implementation", "output_attentions",
+    "output_hidden_states", "return_dict", "tie_word_embeddings", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+}
+# Keys the decoder honours only at the values listed (what every family it builds uses).
+FIXED_KEYS = {"mlp_bias": (False,), "pretraining_tp": (1,), "partial_rotary_factor": (1, 1.0),
+              "use_bidirectional_attention": (False, None)}
+# The keys `ModelConfig.from_dict` reads.
+READ_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_parameters", "rope_scaling", "rope_local_base_freq", "hidden_act",
+    "hidden_activation", "attention_bias", "layer_types", "sliding_window", "use_sliding_window",
+    "max_window_layers", "sliding_window_pattern", "query_pre_attn_scalar",
+    "attn_logit_softcapping", "final_logit_softcapping",
+}
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Largest difference allowed between two computations of the same logits or outputs (paged
 # against no-cache, compiled against eager), relative to the reference's largest magnitude: a
@@ -100,14 +144,18 @@ class ModelConfig:
     torch_dtype: str
     checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
     rope_scaling: tuple = ()       # Llama 3's RoPE scaling as (key, value) pairs; () for none
+    layer_types: tuple = ()        # each layer's attention kind (FULL or SLIDING); (): all full
+    sliding_window: int | None = None          # positions a SLIDING layer sees
+    rope_local_base_freq: float | None = None  # RoPE base of SLIDING layers (Gemma 3); None: same
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim
+    attn_logit_softcapping: float | None = None  # scores become cap·tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
         family = hf.get("model_type")
-        if family not in FAMILIES:
-            raise ConfigError(
-                f"model {name!r}: model_type {family!r} is not supported; the kit's decoder "
-                f"covers {sorted(FAMILIES)} (Llama-style RMSNorm, RoPE, gated MLP).")
+        check_family(family, name)
+        check_keys(hf, name)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "vocab_size") if k not in hf]
         if missing:
@@ -122,6 +170,8 @@ class ModelConfig:
             act = FAMILIES[family].gelu
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
+        kinds = layer_types(hf, family, name)
+        theta, local_theta, scaling = rope(hf, name)
         return cls(
             name=name, family=family,
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
@@ -130,13 +180,19 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta(hf),
-            hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings",
+                                                          FAMILIES[family].tie_word_embeddings),
             attention_bias=hf.get("attention_bias", FAMILIES[family].attention_bias),
             # transformers 5 writes `dtype` and `rope_parameters` where 4.x wrote
             # `torch_dtype` and `rope_theta`
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
-            checkpoint=checkpoint, rope_scaling=rope_scaling(hf, name),
+            checkpoint=checkpoint, rope_scaling=scaling, layer_types=kinds,
+            sliding_window=hf.get("sliding_window") if SLIDING in kinds else None,
+            rope_local_base_freq=local_theta if SLIDING in kinds else None,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
         )
 
     @classmethod
@@ -164,6 +220,24 @@ class ModelConfig:
         """What the decoder is built from (`FAMILIES`)."""
         return FAMILIES[self.family]
 
+    def attention_kind(self, layer: int) -> str:
+        """FULL or SLIDING: what layer `layer` attends to."""
+        return self.layer_types[layer] if self.layer_types else FULL
+
+    def window(self, layer: int) -> int | None:
+        """Positions layer `layer` sees (the newest included); None: all of them."""
+        return self.sliding_window if self.attention_kind(layer) == SLIDING else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of layer `layer` (Gemma 3's sliding layers have their own)."""
+        return self.rope_local_base_freq or self.rope_theta if self.window(layer) \
+            else self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        """What the scores q·k are multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def layer_weights(self) -> int:
         """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
@@ -182,7 +256,7 @@ class ModelConfig:
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
             if self.attention_bias else 0
         embed = 0 if self.tie_word_embeddings else self.vocab_size * h
-        norms = len(self.parts.layer_norms) * h
+        norms = len(self.parts.layer_norms) * h + 2 * self.head_dim * self.parts.qk_norm
         return self.linear_weights() + embed + self.num_hidden_layers * (bias + norms) + h
 
     def hf_dict(self) -> dict:
@@ -199,23 +273,101 @@ class ModelConfig:
             "torch_dtype": self.torch_dtype,
             **({"rope_scaling": {"rope_type": "llama3", **dict(self.rope_scaling)}}
                if self.rope_scaling else {}),
+            **self.attention_keys(),
         }
 
+    def attention_keys(self) -> dict:
+        """config.json's keys for what sets attention apart from plain causal attention, as
+        the family's published configs write them (vLLM and transformers read these)."""
+        keys = {k: getattr(self, k) for k in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                                               "final_logit_softcapping") if getattr(self, k)}
+        if self.sliding_window:
+            keys["sliding_window"] = self.sliding_window
+            keys["layer_types"] = list(self.layer_types)
+            if self.family in ("qwen2", "qwen3"):  # their configs' own switch for windows
+                keys["use_sliding_window"] = True
+                keys["max_window_layers"] = self.layer_types.index(SLIDING)
+        if self.rope_local_base_freq:
+            keys["rope_local_base_freq"] = self.rope_local_base_freq
+        return keys
 
-def rope_theta(hf: dict) -> float:
-    return hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta") \
-        or 10000.0
+
+def check_family(family, name: str) -> None:
+    """A model_type the decoder builds; kinds it cannot build refused by what they need."""
+    if family in FAMILIES:
+        return
+    need = next((what for what, types in OUT_OF_REACH.items() if family in types), None)
+    raise ConfigError(
+        f"model {name!r}: model_type {family!r} is not supported"
+        f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
+        f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP, grouped-query "
+        "attention over full or sliding windows.")
+
+
+def check_keys(hf: dict, name: str) -> None:
+    """Every key of config.json is read, inert or at the one value the decoder builds; any
+    other is refused by name (a key ignored would run a model the user did not give)."""
+    unknown = sorted(k for k in hf if k not in READ_KEYS | INERT_KEYS | set(FIXED_KEYS))
+    fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
+                   not in FIXED_KEYS[k])
+    if unknown or fixed:
+        raise ConfigError(
+            f"model {name!r}: config.json has " + "; ".join(
+                [f"keys the kit's decoder does not build: {unknown}"] * bool(unknown)
+                + [f"settings it builds only at their defaults: {fixed}"] * bool(fixed))
+            + ". The kit refuses rather than run a different model from the one given.")
+
+
+def layer_types(hf: dict, family: str, name: str) -> tuple:
+    """Each layer's attention kind: config.json's `layer_types`, else what the family's
+    config class derives (Gemma 2 alternates from a sliding first layer, Gemma 3 has every
+    `sliding_window_pattern`-th layer full, Qwen's windows start at `max_window_layers`,
+    Mistral's `sliding_window` covers every layer)."""
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    kinds = hf.get("layer_types")
+    if kinds is None and family == "gemma2":
+        kinds = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    elif kinds is None and family == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern") or 6
+        kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    elif kinds is None and family in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", n) if hf.get("use_sliding_window") and window else n
+        kinds = [SLIDING if i >= first else FULL for i in range(n)]
+    elif kinds is None:
+        kinds = [SLIDING if window else FULL] * n
+    kinds = tuple(kinds)
+    if len(kinds) != n or set(kinds) - {FULL, SLIDING}:
+        raise ConfigError(f"model {name!r}: layer_types must name {FULL!r} or {SLIDING!r} for "
+                          f"each of the {n} layers; it has {list(kinds)}")
+    if SLIDING in kinds and not (isinstance(window, int) and window > 0):
+        raise ConfigError(f"model {name!r}: sliding layers need a positive whole "
+                          f"sliding_window; config.json has {window!r}")
+    return kinds
+
+
+def rope(hf: dict, name: str) -> tuple[float, float | None, tuple]:
+    """RoPE's base for full layers, for sliding ones (None: the same) and Llama 3's scaling.
+    transformers 5 writes `rope_parameters`, one dict or one per attention kind (Gemma 3);
+    4.x wrote `rope_theta`, `rope_local_base_freq` and `rope_scaling`."""
+    params = hf.get("rope_parameters") or {}
+    full, local = (params.get(FULL, {}), params.get(SLIDING, {})) if FULL in params \
+        else (params, {})
+    theta = hf.get("rope_theta") or full.get("rope_theta") or 10000.0
+    local_theta = hf.get("rope_local_base_freq") or local.get("rope_theta")
+    if local and (local.get("rope_type") or "default") != "default":
+        raise ConfigError(f"model {name!r}: rope scaling {local.get('rope_type')!r} on sliding "
+                          "layers is not supported")
+    return theta, local_theta, rope_scaling(hf.get("rope_scaling") or full, name)
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
 
 
-def rope_scaling(hf: dict, name: str) -> tuple:
+def rope_scaling(params: dict, name: str) -> tuple:
     """Llama 3's RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) as
     (key, value) pairs, () for none; every other kind refused, since ignoring it would give
     a real checkpoint wrong logits."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return ()
