@@ -8,7 +8,9 @@ from kit.errors import ConfigError
 
 # Published parameter counts of the real checkpoints these shapes come from.
 PUBLISHED_PARAMETERS = {"gemma-2b": 2_506_172_416, "llama-3.2-1b": 1_235_814_400,
-                        "qwen2.5-0.5b": 494_032_768, "llama-3.1-8b": 8_030_261_248}
+                        "qwen2.5-0.5b": 494_032_768, "llama-3.1-8b": 8_030_261_248,
+                        "qwen3-0.6b": 596_049_920, "gemma-3-1b": 999_885_952,
+                        "gemma-2-2b": 2_614_341_888, "mistral-7b-v0.1": 7_241_732_096}
 
 
 @pytest.mark.parametrize("name,count", PUBLISHED_PARAMETERS.items())
@@ -53,8 +55,61 @@ def test_unsupported_family_is_refused(tmp_path):
         load(model=str(path))
 
 
+@pytest.mark.parametrize("family,need", [("deepseek_v2", "multi-head latent attention"),
+                                         ("gpt_oss", "mixture of experts"),
+                                         ("qwen3_next", "linear-attention")])
+def test_out_of_reach_kinds_are_refused_by_what_they_need(tmp_path, family, need):
+    with pytest.raises(ConfigError, match=f"model_type '{family}' is not supported .*{need}"
+                       r".*covers \['gemma', 'gemma2'"):
+        load(model=str(write_config(tmp_path, model_type=family)))
+
+
+def test_layer_kinds_of_the_published_shapes():
+    """Each family's own rule for which layers slide, as its config class derives it."""
+    def sliding(name):
+        arch = ModelConfig.load(name)
+        return [i for i in range(arch.num_hidden_layers) if arch.window(i)]
+    assert sliding("gemma-3-1b") == [i for i in range(26) if i % 6 != 5]  # five local, one global
+    assert sliding("gemma-2-2b") == list(range(0, 26, 2))  # alternating, the first local
+    assert sliding("mistral-7b-v0.1") == list(range(32))
+    assert sliding("qwen3-0.6b") == sliding("qwen2.5-0.5b") == []  # use_sliding_window: false
+    gemma3 = ModelConfig.load("gemma-3-1b")
+    assert (gemma3.window(0), gemma3.window(5)) == (512, None)
+    assert (gemma3.layer_rope_theta(0), gemma3.layer_rope_theta(5)) == (10000, 1000000)
+    assert gemma3.attention_scale == 256 ** -0.5 and gemma3.parts.qk_norm
+
+
+def test_config_keys_are_read_or_refused_by_name(tmp_path):
+    """Nothing a config.json says is dropped silently."""
+    with pytest.raises(ConfigError, match=r"does not build: \['num_experts'\]"):
+        load(model=str(write_config(tmp_path, num_experts=8)))
+    with pytest.raises(ConfigError, match=r"only at their defaults: \['mlp_bias=True'\]"):
+        load(model=str(write_config(tmp_path, mlp_bias=True)))
+    with pytest.raises(ConfigError, match="sliding layers need a positive whole sliding_window"):
+        load(model=str(write_config(tmp_path, layer_types=["sliding_attention"] * 4)))
+    with pytest.raises(ConfigError, match="layer_types must name"):
+        load(model=str(write_config(tmp_path, layer_types=["full_attention"])))
+
+
+@pytest.mark.parametrize("name", ["gemma-3-1b", "gemma-2-2b", "mistral-7b-v0.1", "qwen3-0.6b",
+                                  "qwen2.5-0.5b"])
+def test_the_config_the_kit_writes_reads_back_the_same(name):
+    arch = ModelConfig.load(name)
+    assert ModelConfig.from_dict(arch.hf_dict(), arch.name) == arch
+
+
+def test_gemma3_rope_as_transformers_5_writes_it():
+    """transformers 5 writes one `rope_parameters` per attention kind for Gemma 3."""
+    hf = ModelConfig.load("gemma-3-1b").hf_dict()
+    del hf["rope_theta"], hf["rope_local_base_freq"]
+    hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    arch = ModelConfig.from_dict(hf, "g3")
+    assert (arch.layer_rope_theta(0), arch.layer_rope_theta(5)) == (1e4, 1e6)
+
+
 @pytest.mark.parametrize("overrides,message", [
-    ({"model": "nope"}, r"unknown model 'nope': give one of \['gemma-2b'"),
+    ({"model": "nope"}, r"unknown model 'nope': give one of \['gemma-2-2b', 'gemma-2b'"),
     ({"gpu_memory_utilization": 0}, r"must be in \(0, 1\]"),
     ({"gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0 must be a positive whole number"),
