@@ -67,6 +67,12 @@ def kv_groups(windows: tuple) -> tuple[KVGroup, ...]:
     return tuple(groups)
 
 
+def layer_windows(arch) -> tuple:
+    """Each layer's sliding window (None: full attention), or () when no layer slides."""
+    windows = tuple(arch.window(i) for i in range(arch.num_hidden_layers))
+    return windows if any(windows) else ()
+
+
 def group_size(groups: tuple[KVGroup, ...]) -> int:
     """Layers in the widest group: the number of cache tensors, and pages per block id."""
     return max(len(g.layers) for g in groups)

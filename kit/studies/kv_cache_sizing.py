@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kit.config import ModelConfig, Settings, reference
 from kit.engine.block_table import BlockAllocator, OutOfBlocks
 from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
-                                 estimate_activation_bytes, split_budget)
+                                 estimate_activation_bytes, in_flight_tokens, split_budget)
 
 
 def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
@@ -52,6 +52,7 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
             arch, settings.max_num_batched_tokens, settings.max_num_seqs,
             settings.dtype_bytes), "estimated"
     knobs.setdefault("device_label", device_label(settings.device))  # the log line's "CPU"
+    knobs.setdefault("in_flight_tokens", in_flight_tokens(settings))  # what a window reserves
     return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
 
 
