@@ -155,6 +155,10 @@ class KVCacheSizing:
     def max_concurrency(self) -> float:
         return self.num_blocks / self.blocks_per_request
 
+    def concurrency_at(self, max_model_len: int) -> float:
+        """Max concurrency these blocks would give requests of another length."""
+        return self.num_blocks / self.spec.blocks_per_request(max_model_len, self.in_flight_tokens)
+
     @property
     def num_tokens(self) -> int:
         """vLLM's 'KV cache size' in tokens: concurrency × max_model_len."""
