@@ -8,19 +8,26 @@
   the same layer specs as the no-engine path builds, and real decode steps.
 - A model vLLM cannot run gives a message, not a traceback, and an engine starts after it.
 """
+import itertools
 import json
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 import kit
-from kit.config import MODELS_DIR, known_names
-from kit.engine.kv_cache import KVCacheSpec
+from kit.config import MODELS_DIR, ModelConfig, known_names
+from kit.engine.kv_cache import KVCacheSpec, size_kv_cache
+from kit.errors import ConfigError
 from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
 from kit.vllm.engine_runs import run_engine, run_settings
+from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.installed import vllm_missing
+from kit.vllm.kv_sizing import vllm_kv_sizing_for_folder
+from kit.vllm.model_folder import write_model_folder
+from kit.vllm.sizer import VLLMSizer
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]
@@ -260,3 +267,175 @@ def test_bench_vllm_defaults_are_chapter_05s():
                                             "05_vllm_side_by_side.ipynb"))
     for name, value in DEFAULTS.items():
         assert params[name]["default"].strip("\"'") == str(value), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The kit's KV cache against vLLM's specs as vLLM's model builds them from the config.json
+# ---------------------------------------------------------------------------------------------
+
+GRID_BLOCK_SIZES = (16, 32, 64)
+GRID_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2")
+GRID_LENS = (256, 4096, 32768)  # each capped at the model's max_position_embeddings
+GRID_BATCHED = (512, 2048, 8192)
+GRID_BUDGETS = (2**26, 2**30, 8 * 2**30 + 12345)
+
+
+def published_folder(root, name):
+    """A model folder holding data/models/<name>.json as-is: the user's own config.json."""
+    folder = root / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text((MODELS_DIR / f"{name}.json").read_text())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    root = tmp_path_factory.mktemp("published")
+    return {name: published_folder(root, name) for name in MODELS}
+
+
+def grid_lens(arch):
+    return sorted({min(n, arch.max_position_embeddings) for n in GRID_LENS})
+
+
+def grid_block_sizes(arch):
+    """vLLM's CPU attention gives a window layer blocks in multiples of 32 whatever block_size
+    says (`_largest_kernel_block_within`), so block 16 is checked on full attention only; see
+    `test_vllms_cpu_gives_window_layers_32_token_blocks_at_block_size_16`."""
+    windowed = any(arch.window(i) for i in range(arch.num_hidden_layers))
+    return [b for b in GRID_BLOCK_SIZES if not (windowed and b % 32)]
+
+
+def kit_side(spec, budget, max_model_len, batched):
+    """The kit's numbers in vLLM's terms, or None where the kit refuses."""
+    try:
+        s = size_kv_cache(spec, budget, max_model_len, "CPU", batched)
+    except ConfigError:
+        return None
+    groups = sorted((g.layers, g.window, g.blocks_per_request(max_model_len, spec.block_size,
+                                                              batched)) for g in spec.groups)
+    return (s.num_blocks, spec.bytes_per_block, s.num_tokens, s.max_concurrency, s.log_line(),
+            groups)
+
+
+def vllm_side(r):
+    if r.error:
+        return None
+    return (r.num_blocks, r.bytes_per_block, r.num_tokens, r.max_concurrency, r.log_line,
+            sorted((g.layers, g.window, g.blocks_per_request) for g in r.groups))
+
+
+def edge_budgets(spec, max_model_len, batched):
+    """Exactly one request beside vLLM's null block (both accept), and a byte less (both refuse)."""
+    edge = spec.request_bytes(max_model_len, batched) + spec.bytes_per_block
+    return (edge - 1, edge)
+
+
+def grid_rows(name, folder):
+    """Every grid configuration of one model: (where, kit's numbers, vLLM's numbers)."""
+    arch = ModelConfig.load(name)
+    rows = []
+    for block_size, cache_dtype in itertools.product(grid_block_sizes(arch), GRID_CACHE_DTYPES):
+        lens = grid_lens(arch)
+        sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
+                                kv_cache_dtype=cache_dtype, dtype="bfloat16")
+        spec = KVCacheSpec.for_model(arch, block_size, "bfloat16", cache_dtype)
+        for n, batched in itertools.product(lens, GRID_BATCHED):
+            for budget in GRID_BUDGETS + edge_budgets(spec, n, batched):
+                where = (name, block_size, cache_dtype, n, batched, budget)
+                rows.append((where, kit_side(spec, budget, n, batched),
+                             vllm_side(sizer.size(budget, n, batched))))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def grid(published):
+    return [row for name in MODELS for row in grid_rows(name, published[name])]
+
+
+def test_the_kits_kv_cache_equals_vllms_from_the_users_config_json(grid):
+    """Blocks, bytes per block, tokens, max concurrency, the start-up line, the groups (layers,
+    window, blocks per request) and refusals: the kit's arithmetic equals vLLM's sizing of the
+    specs its own model builds from each data/models config.json, over the whole grid."""
+    wrong = [(where, kit, vllm) for where, kit, vllm in grid if kit != vllm]
+    print(f"{len(grid)} configurations, {len(wrong)} different")
+    assert not wrong, f"{len(wrong)} of {len(grid)} differ; first: {wrong[:2]}"
+    refused = sum(kit is None for _, kit, _ in grid)
+    assert 0 < refused < len(grid) // 2  # both refuse at the edges, and size the rest
+    assert len(grid) >= 2000
+
+
+def test_the_grid_holds_windows_that_multiply_concurrency_and_ones_that_cost_a_block(grid):
+    """Window groups whose reservation is below full attention's, and ones where
+    min(W - 1 + batched, max_model_len) + a block costs one block more than full attention."""
+    costs = {"less": 0, "more": 0}
+    for (_, block_size, _, n, _, _), _, vllm in grid:
+        for _, window, blocks in (vllm[-1] if vllm else ()):
+            full = -(-n // block_size)
+            if window is not None:
+                costs["less" if blocks < full else "more"] += blocks != full
+    assert costs["less"] > 0 and costs["more"] > 0, costs
+
+
+@pytest.mark.parametrize("name,block_size,cache_dtype", [
+    ("mistral-7b-v0.1", 32, "auto"), ("gemma-3-1b", 64, "fp8"), ("gemma-2-2b", 32, "fp8_e5m2"),
+    ("qwen3-0.6b", 16, "auto")])
+def test_a_sizer_built_once_equals_freshly_built_configs(published, name, block_size,
+                                                         cache_dtype):
+    """The grid's shortcut (max_model_len, batched tokens and budget set on one built config)
+    gives what a config and model built for those settings give."""
+    folder = published[name]
+    lens = grid_lens(ModelConfig.load(name))
+    sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
+                            kv_cache_dtype=cache_dtype, dtype="bfloat16")
+    for n, batched, budget in [(lens[0], 8192, 2**30), (lens[-1], 512, 2**26),
+                               (lens[1], 2048, 8 * 2**30 + 12345), (lens[-1], 2048, 2**30)]:
+        fresh = vllm_kv_sizing_for_folder(folder, budget, block_size=block_size,
+                                          max_model_len=n, max_num_batched_tokens=batched,
+                                          kv_cache_dtype=cache_dtype, dtype="bfloat16")
+        assert sizer.size(budget, n, batched) == fresh, (n, batched, budget)
+
+
+def test_vllms_cpu_gives_window_layers_32_token_blocks_at_block_size_16(published):
+    """Where the kit and vLLM's CPU backend part: at block_size 16, vLLM's window layers take
+    the CPU kernel's 32-token blocks and the whole cache is sized as at block 32."""
+    for name in ("mistral-7b-v0.1", "gemma-2-2b", "gemma-3-1b"):
+        at = {b: vllm_kv_sizing_for_folder(published[name], 2**30, block_size=b,
+                                           max_model_len=4096, max_num_batched_tokens=2048)
+              for b in (16, 32)}
+        assert at[16] == replace(at[32], block_size=16), name
+
+
+def test_the_kits_config_json_gives_vllm_the_specs_of_the_published_one(published, tmp_path):
+    """vLLM builds the same layer specs from the config.json the kit writes (`hf_dict`) as
+    from the published config.json it was read from."""
+    for name in MODELS:
+        specs = []
+        for folder in (published[name], write_model_folder(ModelConfig.load(name),
+                                                           tmp_path / name)):
+            sizer = VLLMSizer.build(folder, block_size=32, max_model_len=256, dtype="bfloat16")
+            specs.append(sizer.specs)
+        assert specs[0] == specs[1], name
+        assert len(specs[0]) == ModelConfig.load(name).num_hidden_layers
+
+
+def test_a_tight_budget_comes_back_as_vllms_refusal(published):
+    r = vllm_kv_sizing_for_folder(published["mistral-7b-v0.1"] / "config.json", 2**28,
+                                  block_size=32, max_model_len=32768, max_num_batched_tokens=2048)
+    assert r.num_blocks is None and r.error.startswith("To serve at least one request")
+
+
+def test_mistral_and_gemma3_concurrency_through_vllms_code(published):
+    """Chapter 02's lesson measured by vLLM: Mistral-7B-v0.1, 8 GiB, block 32, 2,048 batched
+    tokens: its window of 4,096 reserves 193 blocks a request, 10.61x at 32,768 tokens against
+    2.00x for full attention; below the window it costs a block more."""
+    lens = [512, 4096, 8192, 32768]
+    mistral = concurrency_curve(published["mistral-7b-v0.1"], 8 * 2**30, max_model_lens=lens)
+    assert mistral.error is None
+    assert mistral.windowed_blocks == [17, 129, 193, 193]
+    assert mistral.full_blocks == [16, 128, 256, 1024]
+    assert round(mistral.windowed[-1], 2) == 10.61 and mistral.full[-1] == 2.0
+    assert mistral.gain()[0] < 1 < mistral.gain()[-1]
+    gemma = concurrency_curve(ModelConfig.load("gemma-3-1b"), 8 * 2**30, max_model_lens=lens)
+    assert gemma.windowed_blocks[-1] == 6 * (-(-(511 + 2048) // 32) + 1) + 1024
+    assert gemma.gain()[0] < 1 < gemma.gain()[-1]

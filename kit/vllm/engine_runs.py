@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 from kit.measure.timing import Timings, median_or_none
 from kit.vllm.installed import in_process, vllm_missing
-from kit.vllm.kv_sizing import layer_specs
+from kit.vllm.kv_sizing import engine_config
+from kit.vllm.model_specs import model_kv_specs
 from kit.vllm.log import captured_vllm_log, fail_message, format_records, phase_seconds
 from kit.vllm.model_folder import write_model_folder
 
@@ -65,7 +66,7 @@ class EngineRun:
     decode_input_len: int | None = None
     decode_output_len: int | None = None
     torch_threads: int | None = None  # intra-op threads the engine's model ran with
-    specs_as_built: bool | None = None  # engine's KV specs == `layer_specs` (the no-engine path)
+    specs_as_built: bool | None = None  # engine's KV specs == `specs_without_engine`'s
     log: list[str] = field(default_factory=list)
 
     @property
@@ -122,6 +123,17 @@ def engine_kwargs(model_folder: Path, mode: str, *, block_size: int, max_model_l
                 seed=seed)
 
 
+def specs_without_engine(vc) -> dict:
+    """The layer specs the no-engine path (`kit.vllm.kv_sizing`) builds for a started
+    engine's model folder and settings: a fresh config, its model on the meta device."""
+    mc, cc = vc.model_config, vc.cache_config
+    fresh = engine_config(Path(mc.model), block_size=cc.block_size,
+                          kv_cache_dtype=cc.cache_dtype, max_model_len=mc.max_model_len,
+                          dtype=str(mc.dtype).removeprefix("torch."),
+                          tensor_parallel_size=vc.parallel_config.tensor_parallel_size)
+    return model_kv_specs(fresh)
+
+
 def _read_engine(llm, run: EngineRun, records: list) -> None:
     """Fill `run` with what the started engine decided."""
     vc = llm.llm_engine.vllm_config
@@ -139,8 +151,9 @@ def _read_engine(llm, run: EngineRun, records: list) -> None:
                                                 "Warming up done"))
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # in-process client
     if core is not None:
-        # the engine's own layer specs, beside those `layer_specs` builds without an engine
-        run.specs_as_built = core.model_executor.get_kv_cache_specs()[0] == layer_specs(vc)
+        # the engine's own layer specs, beside those the no-engine path builds
+        engine_specs = core.model_executor.get_kv_cache_specs()[0]
+        run.specs_as_built = engine_specs == specs_without_engine(vc)
         kv = core.scheduler.kv_cache_config
         run.kv_cache_bytes = sum(t.size for t in kv.kv_cache_tensors)
         run.bytes_per_block = run.kv_cache_bytes // kv.num_blocks if kv.num_blocks else None

@@ -1,15 +1,27 @@
 """vLLM's KV cache arithmetic on vLLM's own objects, without starting an engine: vLLM's config
-for the model, one `FullAttentionSpec` per layer as its attention layers make them, and vLLM's
-`get_kv_cache_configs` on them. No weights: seconds for any shape."""
+for a model folder, the KV cache specs vLLM's model builds from its config.json
+(`kit.vllm.model_specs`: sliding windows, layer patterns and head counts as vLLM reads them),
+and vLLM's `get_kv_cache_configs` on them, as the engine core sizes the cache at start-up
+(`EngineCore._initialize_kv_caches`). No weights: seconds for any shape."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.engine.kv_cache import device_label
 from kit.vllm.installed import vllm_missing
-from kit.vllm.log import captured_vllm_log, fail_message
+from kit.vllm.log import captured_vllm_log, fail_message, logged_once
 from kit.vllm.model_folder import write_model_folder
+from kit.vllm.model_specs import model_kv_specs
+
+
+@dataclass(frozen=True)
+class VLLMGroup:
+    """One of vLLM's KV cache groups: its layers (by index), their sliding window (None: full
+    attention) and the blocks one max_model_len request reserves in it."""
+
+    layers: tuple[int, ...]
+    window: int | None
+    blocks_per_request: int
 
 
 @dataclass
@@ -19,40 +31,36 @@ class VLLMKVSizing:
     num_blocks: int | None
     block_size: int
     page_size_bytes: int | None  # one layer's block
-    bytes_per_block: int | None  # all layers' blocks together
+    bytes_per_block: int | None  # what one block id costs in the pool the groups share
     num_tokens: int | None  # vLLM's "KV cache size: N tokens"
     max_concurrency: float | None
     log_line: str | None = None  # the line vLLM logs for it (`update_kv_cache_capacity`)
     error: str | None = None  # vLLM refused (e.g. not enough memory for one request)
+    groups: tuple[VLLMGroup, ...] = field(default_factory=tuple)
+
+    @property
+    def blocks_per_request(self) -> int | None:
+        """Block ids one max_model_len request reserves, over all groups."""
+        return sum(g.blocks_per_request for g in self.groups) if self.groups else None
 
 
 def engine_config(model_folder: Path, *, block_size: int, kv_cache_dtype: str = "auto",
                   max_model_len: int, dtype: str = "auto", tensor_parallel_size: int = 1,
-                  kv_cache_memory_bytes: int | None = None):
+                  kv_cache_memory_bytes: int | None = None,
+                  max_num_batched_tokens: int | None = None):
     """vLLM's `VllmConfig` for a model folder, built the way `LLM(...)` builds it."""
     from vllm.engine.arg_utils import EngineArgs
     return EngineArgs(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
                       block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len, dtype=dtype,
                       tensor_parallel_size=tensor_parallel_size,
-                      kv_cache_memory_bytes=kv_cache_memory_bytes).create_engine_config()
+                      kv_cache_memory_bytes=kv_cache_memory_bytes,
+                      max_num_batched_tokens=max_num_batched_tokens).create_engine_config()
 
 
-def layer_specs(vllm_config) -> dict:
-    """One `FullAttentionSpec` per decoder layer, made as vLLM's `Attention.get_kv_cache_spec`
-    makes it (heads per rank, head size and cache dtype from vLLM's own config)."""
-    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    spec = FullAttentionSpec(block_size=cc.block_size, num_kv_heads=mc.get_num_kv_heads(pc),
-                             head_size=mc.get_head_size(),
-                             dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc),
-                             kv_quant_mode=get_kv_quant_mode(cc.cache_dtype))
-    return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(pc))}
-
-
-def _resolve_layout(vllm_config, specs: dict) -> None:
-    """The engine core resolves the cache layout from its attention backend before sizing."""
+def resolve_layout(vllm_config, specs: dict) -> None:
+    """The engine core resolves the cache layout from its attention backend before sizing
+    (`resolve_kv_cache_layout`)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.utils import (get_supported_kv_cache_layouts,
                                                   resolve_kv_cache_layout)
@@ -64,46 +72,92 @@ def _resolve_layout(vllm_config, specs: dict) -> None:
     resolve_kv_cache_layout(vllm_config, layouts, list(specs.values()))
 
 
-def size_with_vllm_config(vllm_config, budget_bytes: int) -> VLLMKVSizing:
-    """vLLM's `get_kv_cache_configs` on vLLM's layer specs for `budget_bytes` of KV memory."""
-    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
-                                             get_kv_cache_capacity, get_kv_cache_configs)
-    specs = layer_specs(vllm_config)
-    _resolve_layout(vllm_config, specs)
-    page = next(iter(specs.values())).page_size_bytes
+def vllm_groups(vllm_config, kv_cache_config) -> tuple[VLLMGroup, ...]:
+    """vLLM's groups with each one's blocks per request, as
+    `get_max_concurrency_for_kv_cache_config` counts them (max_memory_usage_bytes in pages)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.utils.math_utils import cdiv
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
+        out.append(VLLMGroup(tuple(extract_layer_index(n) for n in group.layer_names),
+                             getattr(spec, "sliding_window", None), blocks))
+    return tuple(out)
+
+
+def size_with_specs(vllm_config, specs: dict, budget_bytes: int) -> VLLMKVSizing:
+    """vLLM's `get_kv_cache_configs`, `generate_scheduler_kv_cache_config` and
+    `update_kv_cache_capacity` on `specs` for `budget_bytes` of KV memory, with max_model_len
+    and max_num_batched_tokens as `vllm_config` holds them now. Call it inside
+    `captured_vllm_log`: the log line is read from vLLM's own record."""
+    from vllm.v1.core.kv_cache_utils import (_pool_bytes_per_block,
+                                             generate_scheduler_kv_cache_config,
+                                             get_kv_cache_configs, update_kv_cache_capacity)
+    resolve_layout(vllm_config, specs)
+    page = max(s.page_size_bytes for s in specs.values())
     block_size = vllm_config.cache_config.block_size
     try:
         configs = get_kv_cache_configs(vllm_config, [specs], [budget_bytes])
     except ValueError as e:  # vLLM refuses: not enough memory for one max_model_len request
-        return VLLMKVSizing(None, block_size, page, page * len(specs), None, None,
+        return VLLMKVSizing(None, block_size, page, None, None, None,
                             error=str(e).splitlines()[0])
     sched = generate_scheduler_kv_cache_config(configs)
-    tokens, concurrency = get_kv_cache_capacity(vllm_config, sched)
-    max_model_len = vllm_config.model_config.max_model_len
-    line = (f"{device_label(vllm_config.device_config.device_type)} KV cache size: "
-            f"{tokens:,} tokens, Maximum concurrency for {max_model_len:,} tokens per request: "
-            f"{concurrency:.2f}x")
-    return VLLMKVSizing(sched.num_blocks, block_size, page, page * len(specs), tokens,
-                        concurrency, line)
+    line = logged_once(lambda: update_kv_cache_capacity(vllm_config, sched), "KV cache size:")
+    cc = vllm_config.cache_config
+    return VLLMKVSizing(sched.num_blocks, block_size, page,
+                        _pool_bytes_per_block(vllm_config, sched.kv_cache_groups),
+                        cc.kv_cache_size_tokens, cc.kv_cache_max_concurrency, line,
+                        groups=vllm_groups(vllm_config, sched))
+
+
+def size_with_vllm_config(vllm_config, budget_bytes: int) -> VLLMKVSizing:
+    """`size_with_specs` on the specs vLLM's model builds for `vllm_config` (`model_kv_specs`)."""
+    return size_with_specs(vllm_config, model_kv_specs(vllm_config), budget_bytes)
+
+
+def _missing(block_size: int, error: str) -> VLLMKVSizing:
+    return VLLMKVSizing(None, block_size, None, None, None, None, error=error)
+
+
+def vllm_kv_sizing_for_folder(model_folder, budget_bytes: int, *, block_size: int,
+                              max_model_len: int, max_num_batched_tokens: int | None = None,
+                              kv_cache_dtype: str = "auto", dtype: str = "auto",
+                              tensor_parallel_size: int = 1) -> VLLMKVSizing:
+    """Ask vLLM how many blocks `budget_bytes` buys for the model in `model_folder` (a folder
+    holding config.json, or the config.json itself), as its engine would size it at start-up;
+    refusals, of the settings or of the budget, come back as `error`."""
+    missing = vllm_missing()
+    if missing:
+        return _missing(block_size, missing)
+    folder = Path(model_folder)
+    folder = folder.parent if folder.name == "config.json" else folder
+    with captured_vllm_log([]):  # config chatter, a dozen lines per call: not shown
+        try:
+            config = engine_config(folder, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                                   max_model_len=max_model_len, dtype=dtype,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   kv_cache_memory_bytes=budget_bytes,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+            specs = model_kv_specs(config)
+        except Exception as e:  # vLLM refuses the settings themselves (a name, a size)
+            return _missing(block_size, fail_message(e))
+        return size_with_specs(config, specs, budget_bytes)
 
 
 def vllm_kv_sizing(arch, budget_bytes: int, *, block_size: int, max_model_len: int,
-                   kv_cache_dtype: str = "auto", dtype: str = "auto",
-                   tensor_parallel_size: int = 1, folder: Path | None = None) -> VLLMKVSizing:
-    """Ask vLLM how many blocks `budget_bytes` buys for the kit's `arch`, without an engine."""
+                   max_num_batched_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                   dtype: str = "auto", tensor_parallel_size: int = 1,
+                   folder: Path | None = None) -> VLLMKVSizing:
+    """`vllm_kv_sizing_for_folder` for the kit's `arch`, written as config.json
+    (`write_model_folder`) into `folder` or a temporary one."""
     import tempfile
     missing = vllm_missing()
     if missing:
-        return VLLMKVSizing(None, block_size, None, None, None, None, error=missing)
+        return _missing(block_size, missing)
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
         model = write_model_folder(arch, Path(folder or tmp) / arch.name)
-        with captured_vllm_log([]):  # config chatter, a dozen lines per call: not shown
-            try:
-                config = engine_config(model, block_size=block_size,
-                                       kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                                       dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                                       kv_cache_memory_bytes=budget_bytes)
-            except Exception as e:  # vLLM refuses the settings themselves (a name, a size)
-                return VLLMKVSizing(None, block_size, None, None, None, None,
-                                    error=fail_message(e))
-            return size_with_vllm_config(config, budget_bytes)
+        return vllm_kv_sizing_for_folder(
+            model, budget_bytes, block_size=block_size, max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+            dtype=dtype, tensor_parallel_size=tensor_parallel_size)

@@ -55,6 +55,29 @@ def phase_seconds(records, start: str, end: str) -> float | None:
                 None)
 
 
+def clear_once_caches() -> None:
+    """Forget which "once" lines vLLM has logged (the KV cache size among them), so the next
+    engine or sizing logs its own."""
+    import vllm.logger as vlog
+    for name in ("_print_debug_once", "_print_info_once", "_print_warning_once"):
+        getattr(getattr(vlog, name, None), "cache_clear", lambda: None)()
+
+
+def logged_once(call, contains: str) -> str | None:
+    """Run `call()` and return the message of the first vLLM log record containing `contains`
+    that it logged (its "once" caches cleared first, so a repeat logs again)."""
+    records: list = []
+    handler = _Capture(records)
+    logger = logging.getLogger("vllm")
+    clear_once_caches()
+    logger.addHandler(handler)
+    try:
+        call()
+    finally:
+        logger.removeHandler(handler)
+    return next((r.getMessage() for r in records if contains in r.getMessage()), None)
+
+
 @contextlib.contextmanager
 def captured_vllm_log(records: list, logging_config=None, echo: bool = False):
     """Collect vLLM's log records into `records`; silence its console handler unless `echo`.
@@ -66,9 +89,7 @@ def captured_vllm_log(records: list, logging_config=None, echo: bool = False):
     from vllm.engine.arg_utils import EngineArgs
     with contextlib.suppress(Exception):
         vlog.configure_logging_if_needed(logging_config or EngineArgs().create_logging_config())
-    for name in ("_print_debug_once", "_print_info_once", "_print_warning_once"):
-        # "once" lines (the KV cache size among them) would be skipped on a second engine
-        getattr(getattr(vlog, name, None), "cache_clear", lambda: None)()
+    clear_once_caches()  # "once" lines would be skipped on a second engine
     logger = logging.getLogger("vllm")
     handler = _Capture(records)
     # vLLM's Triton shim warns about a deprecated torch.distributed name on every engine start

@@ -1,0 +1,85 @@
+"""vLLM's KV cache specs as vLLM's own model builds them from a config.json: the model made on
+PyTorch's meta device (no weights, no memory), each attention layer asked for its
+`get_kv_cache_spec`, the way the model runner does at engine start. So a sliding window, a
+layer pattern or a head count vLLM reads from the config shows up here exactly as the engine
+would see it, whatever the kit believes about the model.
+
+About 10-15 s the first time an architecture is seen (vLLM inspects it in a subprocess and
+caches the answer on disk), then some 20-400 ms per model."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+
+def init_single_rank() -> None:
+    """A one-rank torch.distributed world with tensor and pipeline parallel groups of one,
+    as a worker sets up before it builds the model (`init_worker_distributed_environment`);
+    once per process, and left alone when an engine in this process already made one."""
+    from vllm.distributed.parallel_state import (ensure_model_parallel_initialized,
+                                                 init_distributed_environment,
+                                                 model_parallel_is_initialized)
+    if model_parallel_is_initialized():
+        return
+    init_distributed_environment(1, 0, f"file:///tmp/kit-vllm-specs-{os.getpid()}", 0, "gloo")
+    ensure_model_parallel_initialized(1, 1)
+
+
+def build_on_meta(vllm_config) -> None:
+    """vLLM's model for `vllm_config` made on the meta device: every layer registers itself in
+    `compilation_config.static_forward_context`, as in `BaseModelLoader.load_model`, and
+    nothing is allocated (`vllm.model_executor.model_loader.utils.initialize_model`)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    with set_current_vllm_config(vllm_config):
+        init_single_rank()
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
+            initialize_model(vllm_config=vllm_config)
+
+
+def collect_specs(vllm_config) -> dict:
+    """Each attention layer's KV cache spec by layer name, as the model runner collects them
+    (`GPUModelRunner.get_kv_cache_spec`, which the CPU runner inherits): layers sharing
+    another's cache and layers without a cache left out, each spec customized by its
+    attention backend (`customize_attention_spec`)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import customize_attention_spec
+    specs = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+        if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
+            continue
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if isinstance(spec, AttentionSpec):
+            spec = customize_attention_spec(layer.get_attn_backend(), spec)
+        if spec:
+            specs[name] = spec
+    return specs
+
+
+def per_rank(specs: dict, vllm_config) -> dict:
+    """The specs of one rank of `tensor_parallel_size`: the model is built with one rank here,
+    so each layer's KV heads become vLLM's per-rank count (`ModelConfig.get_num_kv_heads`,
+    heads replicated when there are fewer than ranks), everything else as built."""
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size == 1:
+        return specs
+    heads = vllm_config.model_config.get_num_kv_heads(pc)
+    return {name: replace(spec, num_kv_heads=heads) for name, spec in specs.items()}
+
+
+def model_kv_specs(vllm_config) -> dict:
+    """vLLM's KV cache spec for every layer of the model `vllm_config` describes, built by
+    vLLM's model on the meta device (`build_on_meta`, `collect_specs`); the config's forward
+    context is emptied afterwards so the same config can build again."""
+    context = vllm_config.compilation_config.static_forward_context
+    context.clear()
+    try:
+        build_on_meta(vllm_config)
+        return per_rank(collect_specs(vllm_config), vllm_config)
+    finally:
+        context.clear()
