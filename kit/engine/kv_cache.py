@@ -123,10 +123,10 @@ class KVCacheSpec:
                    for g in self.groups)
 
     def request_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
-        """The bytes vLLM checks one request against: each layer's reservation, summed
-        (`max_memory_usage_bytes` over every layer's spec)."""
-        return self.page_bytes * sum(len(g.layers) * g.blocks_per_request(
-            max_model_len, self.block_size, in_flight_tokens) for g in self.groups)
+        """The bytes vLLM checks one request against: the block ids it reserves over all
+        groups, each costing bytes_per_block, so a group with fewer layers than the widest
+        counts as full width (`_max_memory_usage_bytes_from_groups`)."""
+        return self.bytes_per_block * self.blocks_per_request(max_model_len, in_flight_tokens)
 
 
 @dataclass(frozen=True)
