@@ -213,7 +213,7 @@ def kv_groups(sizing) -> go.Figure:
     spec, groups = sizing.spec, sizing.spec.groups
     z, text = [], []
     for g in groups:
-        z.append([(1 if g.window is None else 0.5) if i in g.layers else None
+        z.append([(1 if g.window is None else 0) if i in g.layers else None
                   for i in range(spec.num_layers)])
         text.append([f"layer {i}: {g.describe().split(':')[0]}" for i in range(spec.num_layers)])
     need = [g.blocks_per_request(sizing.max_model_len, spec.block_size, sizing.in_flight_tokens)
@@ -225,9 +225,9 @@ def kv_groups(sizing) -> go.Figure:
                                hovertemplate="%{text}<br>%{y} per request<extra></extra>"))
     fig.update_layout(
         title=f"{len(groups)} KV cache group(s) of at most {spec.group_size} layers · a block id "
-              f"costs {spec.group_size} × {spec.page_bytes:,} B · a request of "
+              f"costs {spec.group_size} × {spec.page_bytes:,} B<br><sup>a request of "
               f"{sizing.max_model_len:,} tokens reserves {sizing.blocks_per_request:,} blocks "
-              "(green: full attention, red: sliding window)",
+              "in all · green: full attention, red: sliding window</sup>",
         xaxis_title="layer", yaxis_autorange="reversed", height=160 + 28 * len(groups))
     return fig
 
