@@ -246,6 +246,23 @@ def concurrency_vs_len(curves: list[tuple[str, list, list, str]], title: str) ->
     return fig
 
 
+def step_vs_context(curves) -> go.Figure:
+    """Median decode step (ms) against context length, one line per variant (`ContextCurve`),
+    each one's bandwidth floor dotted beneath in its colour."""
+    fig = go.Figure()
+    palette = ["#4c72b0", "#c44e52", "#55a868", "#8172b2"]
+    for curve, color in zip(curves, palette):
+        fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.medians], name=curve.label,
+                        mode="lines+markers", line_color=color)
+        fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.floors], mode="lines",
+                        name=f"floor: {curve.label}", line=dict(color=color, dash="dot"))
+    fig.update_xaxes(type="log", title_text="context length (tokens per sequence)",
+                     tickvals=curves[0].lengths)
+    fig.update_yaxes(title_text="median decode step (ms)", rangemode="tozero")
+    fig.update_layout(title="Decode step against context: a sliding window stops growing")
+    return fig
+
+
 def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
     """Which sequence owns each of the first blocks of the cache (free blocks blank)."""
     owner = [None] * min(allocator.num_blocks, max_blocks)
