@@ -86,6 +86,41 @@ def test_full_attention_is_one_table_as_before():
     assert t.allocate_slots(0, 1).freed == ((),)
 
 
+def test_chapter_steps_show_the_window_handing_back_blocks():
+    """Gemma-3-1B's shape (window 512, 6 window groups and 1 full), blocks of 32: the watched
+    sequence's window groups hand back one block at steps 1, 33 and 65, and the block a window
+    hands back is the next one taken; the full group keeps every block."""
+    from kit.studies.table_steps import table_steps
+    result = table_steps(ModelConfig.load("gemma-3-1b"), 32)
+    assert [g.window for g in result.groups] == [512] * 6 + [None]
+    freed = {s.step for s in result.steps if any(s.freed)}
+    assert freed == {1, 33, 65}
+    one, two = result.steps[1], result.steps[2]
+    assert all(len(f) == 1 for f in one.freed[:6]) and one.freed[6] == ()
+    assert two.new[0] == one.freed[5]  # last handed back, first taken (vLLM's LIFO queue)
+    rows = result.rows()
+    assert [r["null"] for r in rows if r["group"] == 0 and r["step"] in (0, 1, 33, 65)] \
+        == [0, 1, 2, 3]
+    assert all(r["null"] == 0 for r in rows if r["window"] is None)
+
+
+def test_chapter_figure_and_table_draw_what_the_steps_hold():
+    from kit.show.plots import group_tables_steps
+    from kit.show.tables import group_steps_table
+    from kit.studies.table_steps import table_steps
+    result = table_steps(ModelConfig.load("gemma-2-2b"), 32, prompt_len=4200, decode_steps=40)
+    fig = group_tables_steps(result)
+    maps = [t for t in fig.data if t.type == "heatmap"]
+    assert len(maps) == len(result.groups) == 2
+    handed_back = sum(row.count(1) for row in maps[0].z)
+    assert handed_back == sum(len(s.freed[0]) for s in result.steps) > 0
+    assert all(row.count(1) == 0 for row in maps[1].z)  # the full group hands nothing back
+    table = group_steps_table(result)
+    assert [r["step"] for r in table.rows] == [s.step for s in result.steps
+                                               if s.step == 0 or any(s.freed + s.new)]
+    assert "−[" in repr(table) and "free blocks" in table.columns
+
+
 # --- against vLLM -------------------------------------------------------------------------------
 
 def vllm_manager(windows, block_size: int, num_blocks: int):
