@@ -14,6 +14,10 @@ go back to the pool, replaced by the null block (`remove_skipped_blocks`). A ful
 group keeps every block until the sequence ends. A prefill longer than the window still takes
 blocks for its whole prompt: they are handed back at the first decode step.
 
+Steps run as a synchronous scheduler runs them: a step's tokens are processed before the next
+step is scheduled. (With async scheduling vLLM frees on the processed tokens only,
+`computed − num_in_flight_tokens`, so a window's blocks go back one step later.)
+
 Free blocks are reused last-in first-out, as vLLM's free block queue does for blocks without a
 prefix-cache hash (`BlockPool.free_blocks` prepends them).
 """
