@@ -2,10 +2,15 @@
 
 The arithmetic is vLLM's, written once here and shown in the notebooks:
 
-    bytes per token = 2 (K and V) × num_layers × num_kv_heads per rank × head_dim × cache dtype bytes
-    bytes per block = bytes per token × block_size
+    page            = 2 (K and V) × num_kv_heads per rank × head_dim × cache dtype bytes × block_size
+    bytes per block = page × layers in the widest KV cache group (all layers when they all
+                      attend alike)
     num_blocks      = floor(KV budget / bytes per block)
-    max concurrency = num_blocks / ceil(max_model_len / block_size)
+    max concurrency = num_blocks / Σ over groups of the blocks one request reserves
+                      (ceil(max_model_len / block_size) for full attention)
+
+Layers with a sliding window make their own groups and reserve only what their window needs
+(`kit.engine.kv_groups`).
 
 With tensor parallelism each rank holds max(1, num_kv_heads // tp) heads: heads are replicated
 when there are fewer KV heads than ranks, as vLLM does. The budget the cache gets is vLLM's too:
@@ -19,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
+from kit.engine.kv_groups import KVGroup, group_size, kv_groups, layer_windows
 from kit.errors import ConfigError
 
 
@@ -38,6 +44,13 @@ def cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
     return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
 
 
+def in_flight_tokens(settings) -> int:
+    """Tokens scheduled but not yet settled, which a sliding window keeps beside its W - 1:
+    max_num_batched_tokens per step in flight, two steps with async scheduling (vLLM's default
+    on CUDA), one on the CPU where vLLM turns it off (`VllmConfig.max_in_flight_tokens`)."""
+    return settings.max_num_batched_tokens * (2 if settings.device == "cuda" else 1)
+
+
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
@@ -52,6 +65,7 @@ class KVCacheSpec:
     block_size: int
     dtype_bytes: int
     kv_cache_dtype: str = "auto"
+    windows: tuple = ()  # each layer's sliding window, None for full attention; (): all full
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
@@ -61,7 +75,7 @@ class KVCacheSpec:
                    num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
                    head_dim=arch.head_dim, block_size=block_size,
                    dtype_bytes=cache_dtype_bytes(kv_cache_dtype, model_dtype),
-                   kv_cache_dtype=kv_cache_dtype)
+                   kv_cache_dtype=kv_cache_dtype, windows=layer_windows(arch))
 
     @classmethod
     def from_settings(cls, settings) -> "KVCacheSpec":
@@ -70,20 +84,49 @@ class KVCacheSpec:
 
     def formula(self) -> str:
         """The bytes-per-block arithmetic written out with this spec's numbers."""
-        return (f"2 × {self.num_layers} layers × {self.num_kv_heads} KV heads × {self.head_dim} "
+        layers = f"{self.group_size} layers"
+        if len(self.groups) > 1:
+            layers += f" (the widest of {len(self.groups)} KV cache groups)"
+        return (f"2 × {layers} × {self.num_kv_heads} KV heads × {self.head_dim} "
                 f"head_dim × {self.dtype_bytes} B × {self.block_size} tokens = "
-                f"{self.bytes_per_block:,} B per block ({self.bytes_per_token:,} B per token)")
+                f"{self.bytes_per_block:,} B per block")
 
     @property
     def bytes_per_token(self) -> int:
+        """One token's keys and values in every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
+    def page_bytes(self) -> int:
+        """One layer's block: vLLM's `page_size_bytes`."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * self.block_size
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        return kv_groups(self.windows or (None,) * self.num_layers)
+
+    @property
+    def group_size(self) -> int:
+        return group_size(self.groups)
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """What one block id costs: a page in each layer of the widest group."""
+        return self.group_size * self.page_bytes
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def blocks_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
+        """Block ids one request of max_model_len tokens reserves, over all groups."""
+        return sum(g.blocks_per_request(max_model_len, self.block_size, in_flight_tokens)
+                   for g in self.groups)
+
+    def request_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        """The bytes vLLM checks one request against: each layer's reservation, summed
+        (`max_memory_usage_bytes` over every layer's spec)."""
+        return self.page_bytes * sum(len(g.layers) * g.blocks_per_request(
+            max_model_len, self.block_size, in_flight_tokens) for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -94,6 +137,7 @@ class KVCacheSizing:
     budget_bytes: int
     max_model_len: int
     device_label: str = "GPU"  # as vLLM's log line names the device (`device_label`)
+    in_flight_tokens: int = 0  # scheduled, not yet settled: what a window reserves beyond W - 1
 
     @property
     def num_blocks(self) -> int:
@@ -104,8 +148,16 @@ class KVCacheSizing:
         return self.num_blocks * self.spec.bytes_per_block
 
     @property
+    def blocks_per_request(self) -> int:
+        return self.spec.blocks_per_request(self.max_model_len, self.in_flight_tokens)
+
+    @property
     def max_concurrency(self) -> float:
-        return self.num_blocks / self.spec.blocks_for(self.max_model_len)
+        return self.num_blocks / self.blocks_per_request
+
+    def concurrency_at(self, max_model_len: int) -> float:
+        """Max concurrency these blocks would give requests of another length."""
+        return self.num_blocks / self.spec.blocks_per_request(max_model_len, self.in_flight_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -121,31 +173,60 @@ class KVCacheSizing:
     def summary(self) -> dict:
         return {"bytes_per_token": self.spec.bytes_per_token,
                 "bytes_per_block": self.spec.bytes_per_block, "budget_bytes": self.budget_bytes,
+                "kv_cache_groups": len(self.spec.groups),
+                "blocks_per_request": self.blocks_per_request,
                 "num_blocks": self.num_blocks, "cache_bytes": self.cache_bytes,
                 "num_tokens": self.num_tokens, "max_concurrency": self.max_concurrency,
                 "log_line": self.log_line()}
 
 
 def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
-                  device_label: str = "GPU") -> KVCacheSizing:
+                  device_label: str = "GPU", in_flight_tokens: int = 0) -> KVCacheSizing:
     """Blocks for `budget_bytes`; refuses, as vLLM does, a cache that cannot hold one block or
     one request of max_model_len tokens, naming the largest max_model_len that would fit.
-    vLLM keeps one block back (its block pool's null block), so one request needs one block
-    more than its tokens fill (vllm/v1/core/kv_cache_utils.py, `get_kv_cache_configs`)."""
-    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_label)
-    if sizing.num_blocks < 1:
+    vLLM keeps one block back (its block pool's null block) and checks each layer's
+    reservation against the rest (vllm/v1/core/kv_cache_utils.py,
+    `check_enough_kv_cache_memory`). `in_flight_tokens` (max_num_batched_tokens ×
+    `concurrent_batches`) matters only to sliding windows."""
+    if spec.windows and in_flight_tokens < 1:
+        raise ValueError("a cache with sliding windows needs in_flight_tokens")
+    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_label, in_flight_tokens)
+    usable = budget_bytes - spec.bytes_per_block
+    if usable <= 0:
         raise ConfigError(
-            f"the KV cache budget of {budget_bytes:,} bytes is smaller than one block of "
-            f"{spec.bytes_per_block:,} bytes; raise gpu_memory_utilization, device_memory or "
-            "kv_cache_memory_bytes, or lower block_size")
-    if sizing.num_blocks - 1 < spec.blocks_for(max_model_len):
-        fits = (sizing.num_blocks - 1) * spec.block_size
+            f"the KV cache budget of {budget_bytes:,} bytes does not hold one block of "
+            f"{spec.bytes_per_block:,} bytes beside vLLM's null block; raise "
+            "gpu_memory_utilization, device_memory or kv_cache_memory_bytes, or lower block_size")
+    if spec.request_bytes(max_model_len, in_flight_tokens) > usable:
+        fits = largest_max_model_len(spec, usable, max_model_len, in_flight_tokens)
         raise ConfigError(
-            f"max_model_len={max_model_len:,} needs {spec.blocks_for(max_model_len):,} blocks plus "
+            f"max_model_len={max_model_len:,} needs {sizing.blocks_per_request:,} blocks plus "
             f"vLLM's null block but the KV cache holds {sizing.num_blocks:,} ({fits:,} usable "
             f"tokens); vLLM refuses to start here. Lower max_model_len to {fits:,} or less, or "
             "give the cache more memory")
     return sizing
+
+
+def size_for_settings(settings, budget_bytes: int) -> KVCacheSizing:
+    """`size_kv_cache` for a run's settings: its model, block size, cache dtype, TP,
+    max_model_len, batched tokens and device."""
+    return size_kv_cache(KVCacheSpec.from_settings(settings), budget_bytes,
+                         settings.max_model_len, device_label(settings.device),
+                         in_flight_tokens(settings))
+
+
+def largest_max_model_len(spec: KVCacheSpec, usable_bytes: int, upper: int,
+                          in_flight_tokens: int) -> int:
+    """The longest request `usable_bytes` holds, by binary search as vLLM's
+    `estimate_max_model_len` does (0 when not even one token fits)."""
+    low, high = 0, upper
+    while low < high:
+        mid = (low + high + 1) // 2
+        if spec.request_bytes(mid, in_flight_tokens) <= usable_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def kv_budget(settings, profile: str, profile_kv_cache_bytes: int | None) -> tuple[int, str]:
@@ -175,15 +256,31 @@ def allocate(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
                        spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
 
 
-def layer_views(cache) -> list:
-    """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one tensor."""
-    return list(cache.unbind(0))
+def allocate_shared(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
+    """The cache as vLLM allocates it: one [2, num_blocks, ...] slice per layer of the widest KV
+    cache group (vLLM's `KVCacheTensor`s), each shared by one layer of every group. With one
+    group (every layer alike) that is one slice per layer, as `allocate` makes."""
+    import torch
+    return torch.zeros(spec.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                       spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
+
+
+def layer_views(cache, spec: KVCacheSpec | None = None) -> list:
+    """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one tensor:
+    its own slice, or for a cache from `allocate_shared`, the slice its place in its group
+    names (layer j of every group shares slice j)."""
+    slices = cache.unbind(0)
+    if spec is None:
+        return list(slices)
+    place = {layer: j for g in spec.groups for j, layer in enumerate(g.layers)}
+    return [slices[place[i]] for i in range(spec.num_layers)]
 
 
 def allocate_measured(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
-    """Allocate the cache and measure what it cost: (cache, bytes the allocation added)."""
+    """Allocate the cache as vLLM does (`allocate_shared`) and measure what it cost: (cache,
+    bytes the allocation added)."""
     from kit.measure.memory import measure_allocations
-    measured = measure_allocations(lambda: allocate(spec, num_blocks, model_dtype, device),
+    measured = measure_allocations(lambda: allocate_shared(spec, num_blocks, model_dtype, device),
                                    device, timeline=False)
     return measured.result, measured.left_bytes
 
@@ -222,13 +319,14 @@ class BudgetSplit:
 def split_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utilization: float,
                  activation_bytes: int, block_size: int, kv_cache_dtype: str,
                  max_model_len: int, tensor_parallel_size: int = 1,
-                 device_label: str = "GPU") -> BudgetSplit:
+                 device_label: str = "GPU", in_flight_tokens: int = 2048) -> BudgetSplit:
     """The calculator's arithmetic for one rank. Weights are split evenly over the ranks (vLLM
-    shards the linear layers and the embedding; the small norms are replicated)."""
+    shards the linear layers and the embedding; the small norms are replicated).
+    `in_flight_tokens` (see `in_flight_tokens`) sizes sliding windows' reservations."""
     weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
     budget = memory_budget(capacity_bytes, gpu_memory_utilization)
     spec = KVCacheSpec.for_model(arch, block_size, model_dtype, kv_cache_dtype,
                                  tensor_parallel_size)
     kv = max(0, budget - weights - activation_bytes)
     return BudgetSplit(capacity_bytes, gpu_memory_utilization, weights, activation_bytes,
-                       KVCacheSizing(spec, kv, max_model_len, device_label))
+                       KVCacheSizing(spec, kv, max_model_len, device_label, in_flight_tokens))

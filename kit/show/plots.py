@@ -191,7 +191,7 @@ def kv_calculator(split, title: str = "") -> go.Figure:
         fig.add_bar(name=part, x=["device"], y=[value / GiB], marker_color=COLORS[part],
                     row=1, col=1, hovertemplate="%{y:,.3f} GiB<extra>" + part + "</extra>")
     lengths = [2**k for k in range(8, 18)]
-    fig.add_scatter(x=lengths, y=[s.num_blocks / s.spec.blocks_for(n) for n in lengths],
+    fig.add_scatter(x=lengths, y=[s.concurrency_at(n) for n in lengths],
                     mode="lines+markers", name="concurrency", line_color=COLORS["KV cache"],
                     row=1, col=2, showlegend=False)
     fig.add_scatter(x=[s.max_model_len], y=[s.max_concurrency], mode="markers", name="max_model_len",
@@ -204,6 +204,45 @@ def kv_calculator(split, title: str = "") -> go.Figure:
     fig.update_layout(barmode="stack", title=title or (
         f"{s.num_blocks:,} blocks of {s.spec.block_size} tokens · {s.num_tokens:,} tokens · "
         f"{s.max_concurrency:.2f}× concurrency at max_model_len {s.max_model_len:,}"))
+    return fig
+
+
+def kv_groups(sizing) -> go.Figure:
+    """Layers (columns) by KV cache group (rows): which group each layer's cache belongs to,
+    its attention kind, and the blocks a max_model_len request reserves in each group."""
+    spec, groups = sizing.spec, sizing.spec.groups
+    z, text = [], []
+    for g in groups:
+        z.append([(1 if g.window is None else 0) if i in g.layers else None
+                  for i in range(spec.num_layers)])
+        text.append([f"layer {i}: {g.describe().split(':')[0]}" for i in range(spec.num_layers)])
+    need = [g.blocks_per_request(sizing.max_model_len, spec.block_size, sizing.in_flight_tokens)
+            for g in groups]
+    rows = [f"group {k}: {n:,} blocks" for k, n in enumerate(need)]
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(spec.num_layers)), y=rows, text=text, zmin=0,
+                               zmax=1, colorscale=[[0, COLORS["short"]], [1, COLORS["KV cache"]]],
+                               showscale=False, xgap=2, ygap=2,
+                               hovertemplate="%{text}<br>%{y} per request<extra></extra>"))
+    fig.update_layout(
+        title=f"{len(groups)} KV cache group(s) of at most {spec.group_size} layers · a block id "
+              f"costs {spec.group_size} × {spec.page_bytes:,} B<br><sup>a request of "
+              f"{sizing.max_model_len:,} tokens reserves {sizing.blocks_per_request:,} blocks "
+              "in all · green: full attention, red: sliding window</sup>",
+        xaxis_title="layer", yaxis_autorange="reversed", height=160 + 28 * len(groups))
+    return fig
+
+
+def concurrency_vs_len(curves: list[tuple[str, list, list, str]], title: str) -> go.Figure:
+    """Max concurrency against max_model_len, one line per (label, lengths, values, dash);
+    None where the cache would be refused."""
+    fig = go.Figure()
+    for label, lengths, values, dash in curves:
+        fig.add_scatter(x=lengths, y=values, name=label, mode="lines+markers", line_dash=dash)
+    fig.update_xaxes(type="log", title_text="max_model_len (tokens per request)",
+                     tickvals=curves[0][1], ticktext=[f"{n // 1024}k" if n >= 1024 else str(n)
+                                                      for n in curves[0][1]])
+    fig.update_yaxes(type="log", title_text="max concurrency (requests)")
+    fig.update_layout(title=title)
     return fig
 
 

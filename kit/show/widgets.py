@@ -8,7 +8,7 @@ from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
 from kit.show.plots import kv_calculator as calculator_figure
-from kit.studies.kv_cache_sizing import calculate
+from kit.studies.kv_cache_sizing import LAYER_PATTERNS, calculate
 from kit.units import GiB
 
 
@@ -31,6 +31,9 @@ def calculator_controls(settings, capacity_bytes: int) -> dict:
             if settings.max_model_len in MAX_MODEL_LENS else 1024),
         "tensor_parallel_size": w.Dropdown(options=[1, 2, 4, 8],
                                            value=settings.tensor_parallel_size),
+        "full_every": w.Dropdown(options=list(LAYER_PATTERNS.items()), value=0),
+        "sliding_window": w.Dropdown(options=[("the model's own", 0)] + [
+            (f"{n:,} tokens", n) for n in (128, 512, 1024, 4096)], value=0),
     }
     for name, control in controls.items():
         control.description = name

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kit.config import TOLERANCE, Settings, reference
-from kit.engine.kv_cache import KVCacheSpec, memory_budget, size_kv_cache
+from kit.engine.kv_cache import KVCacheSpec, memory_budget, size_for_settings
 from kit.engine.memory_profile import check_fits, profile_batch, profile_run
 from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
@@ -205,7 +205,7 @@ def _profile(bench: _Bench, plan: Plan, res: PlanResult):
     res.peak_activation_bytes = prof.peak_activation_bytes
     res.non_torch_bytes = prof.non_torch_bytes
     res.kv_cache_bytes = prof.kv_cache_bytes
-    res.num_blocks = size_kv_cache(bench.spec, prof.kv_cache_bytes, s.max_model_len).num_blocks
+    res.num_blocks = size_for_settings(s, prof.kv_cache_bytes).num_blocks
     return runner if plan.profile_with == plan.serve else None
 
 

@@ -8,8 +8,16 @@ from dataclasses import dataclass
 
 from kit.config import ModelConfig, Settings, reference
 from kit.engine.block_table import BlockAllocator, OutOfBlocks
+from kit.engine.kv_groups import with_layer_pattern
 from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
-                                 estimate_activation_bytes, split_budget)
+                                 estimate_activation_bytes, in_flight_tokens, size_kv_cache,
+                                 split_budget)
+from kit.errors import ConfigError
+
+# The calculator's layer patterns: every n-th layer full attention, the rest sliding (0: the
+# model's own layers, 1: every layer full, None: every layer sliding).
+LAYER_PATTERNS = {"the model's own": 0, "all full attention": 1, "all sliding": None,
+                  "1 full in 2 (Gemma 2)": 2, "1 full in 6 (Gemma 3)": 6}
 
 
 def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
@@ -37,6 +45,58 @@ def requests_that_fit(num_blocks: int, settings: Settings) -> int:
         return held
 
 
+def concurrency_curve(arch: ModelConfig, budget_bytes: int, lengths: list[int], *,
+                      block_size: int, dtype: str, in_flight: int) -> list[float | None]:
+    """Max concurrency for requests of each length (None where vLLM would refuse)."""
+    spec = KVCacheSpec.for_model(arch, block_size, dtype)
+    out = []
+    for n in lengths:
+        try:
+            out.append(size_kv_cache(spec, budget_bytes, n, in_flight_tokens=in_flight)
+                       .max_concurrency)
+        except ConfigError:
+            out.append(None)
+    return out
+
+
+def windowed_and_full(arch: ModelConfig, budget_bytes: int, lengths: list[int],
+                      **how) -> dict[str, list]:
+    """The lesson of sliding windows: `concurrency_curve` as the model is, and with every
+    layer full attention (`how`: block_size, dtype, in_flight)."""
+    return {"as configured": concurrency_curve(arch, budget_bytes, lengths, **how),
+            "all full attention": concurrency_curve(with_layer_pattern(arch, 1), budget_bytes,
+                                                    lengths, **how)}
+
+
+# The lesson's setting (issue 23's measurement with vLLM 0.32): an 8 GiB cache in bf16, block
+# 32, 2,048 batched tokens on the CPU (one step in flight), max_model_len from 512 to 32k.
+LESSON = {"models": ("mistral-7b-v0.1", "gemma-3-1b"), "budget_bytes": 8 * 2**30,
+          "lengths": [2**k for k in range(9, 16)],
+          "how": {"block_size": 32, "dtype": "bfloat16", "in_flight": 2048}}
+
+
+def lesson_curves() -> dict[str, dict[str, list]]:
+    """`windowed_and_full` for each of the lesson's models at the lesson's setting."""
+    return {name: windowed_and_full(ModelConfig.load(name), LESSON["budget_bytes"],
+                                    LESSON["lengths"], **LESSON["how"])
+            for name in LESSON["models"]}
+
+
+def lesson_sizing(name: str, max_model_len: int = 32_768):
+    """`name`'s cache at the lesson's setting (`KVCacheSizing`)."""
+    how = LESSON["how"]
+    spec = KVCacheSpec.for_model(ModelConfig.load(name), how["block_size"], how["dtype"])
+    return size_kv_cache(spec, LESSON["budget_bytes"], max_model_len,
+                         in_flight_tokens=how["in_flight"])
+
+
+def curve_lines(curves: dict[str, dict[str, list]]) -> list[tuple[str, list, list, str]]:
+    """`curves` as the lines `plots.concurrency_vs_len` draws (full attention dashed)."""
+    return [(f"{name}, {label}", LESSON["lengths"], values,
+             "dash" if label == "all full attention" else "solid")
+            for name, by_label in curves.items() for label, values in by_label.items()]
+
+
 def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None,
               **knobs) -> tuple[BudgetSplit, str]:
     """The calculator for `model` (default: the settings' model): the measured activations when
@@ -45,6 +105,7 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
     gpu_memory_utilization, block_size, ...)."""
     profiled = model in (None, settings.model, settings.arch.name)
     arch = settings.arch if profiled else ModelConfig.load(model)
+    arch = with_layer_pattern(arch, knobs.pop("full_every", 0), knobs.pop("sliding_window", 0) or None)
     if profiled:
         activations, source = measured_activation_bytes, "measured"
     else:
@@ -52,6 +113,7 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
             arch, settings.max_num_batched_tokens, settings.max_num_seqs,
             settings.dtype_bytes), "estimated"
     knobs.setdefault("device_label", device_label(settings.device))  # the log line's "CPU"
+    knobs.setdefault("in_flight_tokens", in_flight_tokens(settings))  # what a window reserves
     return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from kit.config import ModelConfig, load
 from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
                                kv_cache_for, prompt_lengths)
-from kit.engine.kv_cache import KVCacheSpec, device_label, size_kv_cache
+from kit.engine.kv_cache import device_label, size_for_settings
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.engine.decode_runners import SharedPrefill, warm_up
@@ -58,8 +58,7 @@ def kit_kv_sizing(settings, budget_bytes: int):
     """The kit's sizing for `settings` (model, block size, cache dtype, TP, max_model_len) at
     `budget_bytes`; a ConfigError's message when the kit refuses, as vLLM would."""
     try:
-        return size_kv_cache(KVCacheSpec.from_settings(settings), budget_bytes,
-                             settings.max_model_len, device_label(settings.device))
+        return size_for_settings(settings, budget_bytes)
     except ConfigError as e:
         return str(e)
 
