@@ -102,6 +102,8 @@ def test_chapter_steps_show_the_window_handing_back_blocks():
     assert [r["null"] for r in rows if r["group"] == 0 and r["step"] in (0, 1, 33, 65)] \
         == [0, 1, 2, 3]
     assert all(r["null"] == 0 for r in rows if r["window"] is None)
+    full = table_steps(ModelConfig.load("tiny"), 32)  # no window: one group, nothing back
+    assert len(full.groups) == 1 and not any(s.freed[0] for s in full.steps)
 
 
 def test_chapter_figure_and_table_draw_what_the_steps_hold():

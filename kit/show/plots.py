@@ -402,8 +402,7 @@ def group_tables_steps(result) -> go.Figure:
     n = len(result.groups)
     fig = make_subplots(rows=n + 1, cols=1, shared_xaxes=True, vertical_spacing=0.02,
                         row_heights=[1.5] + [1] * n,
-                        subplot_titles=["free blocks in the pool"]
-                        + [f"group {g}: {grp.describe()}" for g, grp in enumerate(result.groups)])
+                        subplot_titles=["free blocks in the pool"])
     steps = [s.step for s in result.steps]
     fig.add_scatter(x=steps, y=[s.num_free_blocks for s in result.steps], mode="lines+markers",
                     line_shape="hv", showlegend=False, row=1, col=1)
@@ -412,13 +411,17 @@ def group_tables_steps(result) -> go.Figure:
         z, text = _table_cells(result, g)
         fig.add_heatmap(z=z, x=steps, text=text, zmin=-0.5, zmax=3.5, colorscale=scale,
                         showscale=False, xgap=1, ygap=1, row=g + 2, col=1,
-                        hovertemplate="step %{x}, entry %{y}: %{text}<extra></extra>")
-        fig.update_yaxes(title_text="entry", autorange="reversed", row=g + 2, col=1)
+                        hovertemplate="step %{x}, entry %{y}: %{text}<extra>"
+                        + result.groups[g].describe() + "</extra>")
+        window = result.groups[g].window
+        fig.update_yaxes(title_text=f"group {g}<br>" + ("full" if window is None
+                                                       else f"window {window:,}"),
+                         autorange="reversed", row=g + 2, col=1)
     for kind, (label, colour) in TABLE_ENTRY.items():  # a legend for the cell colours
         fig.add_scatter(x=[None], y=[None], mode="markers", name=label,
                         marker=dict(color=colour, size=10, symbol="square"), row=1, col=1)
     fig.update_xaxes(title_text="step (0: prefill)", row=n + 1, col=1)
     fig.update_layout(height=220 + 140 * n, title=(
-        f"{result.model}: one sequence's block table per KV cache group, "
-        f"blocks of {result.block_size} tokens"))
+        f"{result.model}: one sequence's block table per KV cache group (entries down, "
+        f"steps across), blocks of {result.block_size} tokens"))
     return fig

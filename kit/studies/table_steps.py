@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kit.config import ModelConfig
 from kit.engine.group_tables import NULL_BLOCK, GroupedBlockTables, StepBlocks
-from kit.engine.kv_groups import KVGroup, kv_groups
+from kit.engine.kv_groups import KVGroup, kv_groups, layer_windows
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,6 @@ class TableSteps:
                 for s in self.steps for g in range(len(self.groups))]
 
 
-def layer_windows(arch: ModelConfig) -> tuple:
-    """Each layer's window (None: full attention), as `kv_groups` takes them."""
-    return tuple(arch.window(i) for i in range(arch.num_hidden_layers))
-
-
 def default_prompt_len(groups: tuple[KVGroup, ...], block_size: int) -> int:
     """The smallest window plus a block less one token (its first block goes back at the
     first decode step), or two blocks when no layer has a window."""
@@ -77,8 +72,9 @@ def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = Non
     """Prefill `batch_size` prompts (`prompt_len`, then 7 tokens shorter each; default: just
     past the smallest window), then `decode_steps` decode steps for all (default: enough for
     the watched sequence's window to drop three blocks); returns sequence 0's tables after
-    each step. `num_blocks` defaults to `blocks_needed`."""
-    groups = kv_groups(layer_windows(arch))
+    each step. `num_blocks` defaults to `blocks_needed`. For a model without windows, try
+    `kv_groups.with_layer_pattern(arch, full_every, sliding_window)`."""
+    groups = kv_groups(layer_windows(arch) or (None,) * arch.num_hidden_layers)
     prompt_len = prompt_len or default_prompt_len(groups, block_size)
     decode_steps = 2 * block_size + 1 if decode_steps is None else decode_steps
     prompts = tuple(max(1, prompt_len - 7 * i) for i in range(batch_size))
