@@ -379,3 +379,66 @@ def pr_curve(series: list[tuple[str, list[int], list[int], list[int]]], pr: dict
     fig.update_layout(title="The PR's curve: what profiling eagerly costs the KV cache",
                       height=620)
     return fig
+
+
+# each entry of a block table at one step: what the cell's colour says
+TABLE_ENTRY = {0: ("handed back (null block)", "#e8e8e8"),
+               1: ("handed back this step", "#c44e52"),
+               2: ("held", "#55a868"),
+               3: ("taken this step", "#4c72b0")}
+
+
+def _entry_kind(i: int, table: tuple, num_freed: int, num_new: int) -> int:
+    nulls = table.count(0)  # vLLM's null block is block 0; a window nulls a prefix
+    if i < nulls:
+        return 1 if i >= nulls - num_freed else 0
+    return 3 if i >= len(table) - num_new else 2
+
+
+def _table_cells(result, group: int) -> tuple[list, list]:
+    """z (entry kinds) and hover text, table entry by step, for one group."""
+    width = max(len(s.tables[group]) for s in result.steps)
+    z = [[None] * len(result.steps) for _ in range(width)]
+    text = [[""] * len(result.steps) for _ in range(width)]
+    for x, s in enumerate(result.steps):
+        table, freed, new = s.tables[group], s.freed[group], s.new[group]
+        nulls = table.count(0)
+        for i, block in enumerate(table):
+            z[i][x] = _entry_kind(i, table, len(freed), len(new))
+            text[i][x] = (f"block {block}" if block else
+                          f"null block (handed back block {freed[nulls - 1 - i]})"
+                          if z[i][x] == 1 else "null block")
+    return z, text
+
+
+def group_tables_steps(result) -> go.Figure:
+    """One sequence's block table in each KV cache group, decode step by step (`TableSteps`):
+    held blocks, blocks taken and handed back at each step, null-block entries; above, the
+    pool's free blocks."""
+    from plotly.subplots import make_subplots
+    n = len(result.groups)
+    fig = make_subplots(rows=n + 1, cols=1, shared_xaxes=True, vertical_spacing=0.02,
+                        row_heights=[1.5] + [1] * n,
+                        subplot_titles=["free blocks in the pool"])
+    steps = [s.step for s in result.steps]
+    fig.add_scatter(x=steps, y=[s.num_free_blocks for s in result.steps], mode="lines+markers",
+                    line_shape="hv", showlegend=False, row=1, col=1)
+    scale = [[k / 4 + e, TABLE_ENTRY[k][1]] for k in range(4) for e in (0, 0.25)]
+    for g in range(n):
+        z, text = _table_cells(result, g)
+        fig.add_heatmap(z=z, x=steps, text=text, zmin=-0.5, zmax=3.5, colorscale=scale,
+                        showscale=False, xgap=1, ygap=1, row=g + 2, col=1,
+                        hovertemplate="step %{x}, entry %{y}: %{text}<extra>"
+                        + result.groups[g].describe() + "</extra>")
+        window = result.groups[g].window
+        fig.update_yaxes(title_text=f"group {g}<br>" + ("full" if window is None
+                                                       else f"window {window:,}"),
+                         autorange="reversed", row=g + 2, col=1)
+    for kind, (label, colour) in TABLE_ENTRY.items():  # a legend for the cell colours
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=label,
+                        marker=dict(color=colour, size=10, symbol="square"), row=1, col=1)
+    fig.update_xaxes(title_text="step (0: prefill)", row=n + 1, col=1)
+    fig.update_layout(height=220 + 140 * n, title=(
+        f"{result.model}: one sequence's block table per KV cache group (entries down, "
+        f"steps across), blocks of {result.block_size} tokens"))
+    return fig
