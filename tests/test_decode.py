@@ -111,6 +111,10 @@ def test_roofline_bytes_and_flops_by_hand():
     # 4 × 2 layers × 2 heads × 4 head_dim × (3 + 5) attended tokens
     assert cost.flops == 2 * 2 * (2 * 576 + 80) + 4 * 2 * 2 * 4 * 8 == 5440
     assert cost.floor_seconds(2872e3) == pytest.approx(1e-3)
+    # layer 0 slides over the last 4 tokens: it attends to 3 and 4, layer 1 to 3 and 5
+    windowed = decode_step_cost(a, 2, kv_per_token, [3, 5], windows=(4, None))
+    assert windowed.kv_read_bytes == (2 + 3 + 2 + 4) * 16 and windowed.kv_write_bytes == 64
+    assert windowed.flops == 2 * 2 * (2 * 576 + 80) + 4 * 2 * 4 * (3 + 4 + 3 + 5)
 
 
 def test_tied_embeddings_are_read_once():

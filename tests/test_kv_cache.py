@@ -6,7 +6,9 @@ import torch
 from kit.config import ModelConfig, load
 from kit.engine.kv_cache import (KVCacheSpec, allocate_measured, estimate_activation_bytes, kv_budget,
                           layer_views, size_kv_cache, split_budget)
+from kit.engine.kv_groups import with_layer_pattern
 from kit.errors import ConfigError
+from kit.studies.kv_cache_sizing import calculate
 from kit.units import GiB
 
 # Bytes per token, computed by hand: 2 × layers × KV heads per rank × head_dim × dtype bytes.
@@ -105,6 +107,21 @@ def test_mistral_window_multiplies_concurrency():
     assert round(sizing.max_concurrency, 2) == 10.61
     full = size_kv_cache(replace(spec, windows=()), 8 * 2**30, 32_768)
     assert round(full.max_concurrency, 2) == 2.0
+
+
+def test_layer_patterns_of_the_calculator():
+    """The calculator's patterns turn any model's layers sliding or full, and the kit's groups
+    follow (a 1-in-6 pattern on Llama-3.2-1B's 16 layers: 2 full, 14 sliding, group size 2)."""
+    arch = ModelConfig.load("llama-3.2-1b")
+    six = with_layer_pattern(arch, 6, 1024)
+    assert [i for i in range(16) if not six.window(i)] == [5, 11]
+    assert [len(g.layers) for g in KVCacheSpec.for_model(six, 16, "bfloat16").groups] == [2] * 8
+    assert with_layer_pattern(arch, None, 512).window(0) == 512
+    assert with_layer_pattern(six, 1).layer_types == () and with_layer_pattern(six, 0) is six
+    split, _ = calculate(load("cpu-small"), 10**6, "mistral-7b-v0.1", capacity_bytes=32 * GiB,
+                         gpu_memory_utilization=0.9, block_size=32, kv_cache_dtype="auto",
+                         max_model_len=32_768, full_every=1)
+    assert split.sizing.spec.windows == () and split.sizing.blocks_per_request == 1024
 
 
 def test_explicit_kv_cache_size_overrides_the_profile():

@@ -20,7 +20,7 @@ window that straddles a block boundary (`SlidingWindowSpec.max_memory_usage_byte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kit.config import FULL, SLIDING
 
@@ -71,6 +71,20 @@ def layer_windows(arch) -> tuple:
     """Each layer's sliding window (None: full attention), or () when no layer slides."""
     windows = tuple(arch.window(i) for i in range(arch.num_hidden_layers))
     return windows if any(windows) else ()
+
+
+def with_layer_pattern(arch, full_every: int | None,
+                       sliding_window: int | None = None):
+    """`arch` with every `full_every`-th layer full attention and the others sliding over
+    `sliding_window` tokens (its own window when None); `full_every` 0 keeps its layers."""
+    if full_every == 0:
+        return arch
+    window = sliding_window or arch.sliding_window or 4096
+    kinds = tuple(FULL if full_every and (i + 1) % full_every == 0 else SLIDING
+                  for i in range(arch.num_hidden_layers))
+    if SLIDING not in kinds:
+        return replace(arch, layer_types=(), sliding_window=None)
+    return replace(arch, layer_types=kinds, sliding_window=window)
 
 
 def group_size(groups: tuple[KVGroup, ...]) -> int:

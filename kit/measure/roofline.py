@@ -65,19 +65,23 @@ def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int) ->
 
 
 def decode_step_cost(arch: ModelConfig, dtype_bytes: int, kv_bytes_per_token: int,
-                     context_lens: list[int]) -> StepCost:
+                     context_lens: list[int], windows: tuple = ()) -> StepCost:
     """The cost of one step in which sequence i attends to `context_lens[i]` tokens, its new
-    token included (so it reads context_lens[i] - 1 cached tokens and writes one)."""
-    num_seqs, attended = len(context_lens), sum(context_lens)
-    attention_flops = 4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim \
-        * attended
+    token included (so it reads context_lens[i] - 1 cached tokens and writes one), in every
+    layer but those with a sliding window W (`windows[layer]`, None: full), which read at most
+    the last W - 1. `kv_bytes_per_token`: one token in every layer."""
+    layers, num_seqs = arch.num_hidden_layers, len(context_lens)
+    windows = windows or (None,) * layers
+    attended = sum(min(n, w or n) for w in windows for n in context_lens)  # over layers
+    per_layer_token = kv_bytes_per_token // layers
     return StepCost(
         num_seqs=num_seqs,
         weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs),
-        kv_read_bytes=(attended - num_seqs) * kv_bytes_per_token,
+        kv_read_bytes=(attended - num_seqs * layers) * per_layer_token,
         kv_write_bytes=num_seqs * kv_bytes_per_token,
         logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
-        flops=2 * num_seqs * arch.linear_weights() + attention_flops)
+        flops=2 * num_seqs * arch.linear_weights()
+        + 4 * arch.num_attention_heads * arch.head_dim * attended)
 
 
 def formula(cost: StepCost, bandwidth: float) -> str:

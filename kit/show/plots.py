@@ -213,7 +213,7 @@ def kv_groups(sizing) -> go.Figure:
     spec, groups = sizing.spec, sizing.spec.groups
     z, text = [], []
     for g in groups:
-        z.append([(1 if g.window is None else 0.5) if i in g.layers else None
+        z.append([(1 if g.window is None else 0) if i in g.layers else None
                   for i in range(spec.num_layers)])
         text.append([f"layer {i}: {g.describe().split(':')[0]}" for i in range(spec.num_layers)])
     need = [g.blocks_per_request(sizing.max_model_len, spec.block_size, sizing.in_flight_tokens)
@@ -225,9 +225,9 @@ def kv_groups(sizing) -> go.Figure:
                                hovertemplate="%{text}<br>%{y} per request<extra></extra>"))
     fig.update_layout(
         title=f"{len(groups)} KV cache group(s) of at most {spec.group_size} layers · a block id "
-              f"costs {spec.group_size} × {spec.page_bytes:,} B · a request of "
+              f"costs {spec.group_size} × {spec.page_bytes:,} B<br><sup>a request of "
               f"{sizing.max_model_len:,} tokens reserves {sizing.blocks_per_request:,} blocks "
-              "(green: full attention, red: sliding window)",
+              "in all · green: full attention, red: sliding window</sup>",
         xaxis_title="layer", yaxis_autorange="reversed", height=160 + 28 * len(groups))
     return fig
 
@@ -243,6 +243,23 @@ def concurrency_vs_len(curves: list[tuple[str, list, list, str]], title: str) ->
                                                       for n in curves[0][1]])
     fig.update_yaxes(type="log", title_text="max concurrency (requests)")
     fig.update_layout(title=title)
+    return fig
+
+
+def step_vs_context(curves) -> go.Figure:
+    """Median decode step (ms) against context length, one line per variant (`ContextCurve`),
+    each one's bandwidth floor dotted beneath in its colour."""
+    fig = go.Figure()
+    palette = ["#4c72b0", "#c44e52", "#55a868", "#8172b2"]
+    for curve, color in zip(curves, palette):
+        fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.medians], name=curve.label,
+                        mode="lines+markers", line_color=color)
+        fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.floors], mode="lines",
+                        name=f"floor: {curve.label}", line=dict(color=color, dash="dot"))
+    fig.update_xaxes(type="log", title_text="context length (tokens per sequence)",
+                     tickvals=curves[0].lengths)
+    fig.update_yaxes(title_text="median decode step (ms)", rangemode="tozero")
+    fig.update_layout(title="Decode step against context: a sliding window stops growing")
     return fig
 
 
@@ -361,4 +378,67 @@ def pr_curve(series: list[tuple[str, list[int], list[int], list[int]]], pr: dict
     fig.update_yaxes(title_text="×", row=2, col=1)
     fig.update_layout(title="The PR's curve: what profiling eagerly costs the KV cache",
                       height=620)
+    return fig
+
+
+# each entry of a block table at one step: what the cell's colour says
+TABLE_ENTRY = {0: ("handed back (null block)", "#e8e8e8"),
+               1: ("handed back this step", "#c44e52"),
+               2: ("held", "#55a868"),
+               3: ("taken this step", "#4c72b0")}
+
+
+def _entry_kind(i: int, table: tuple, num_freed: int, num_new: int) -> int:
+    nulls = table.count(0)  # vLLM's null block is block 0; a window nulls a prefix
+    if i < nulls:
+        return 1 if i >= nulls - num_freed else 0
+    return 3 if i >= len(table) - num_new else 2
+
+
+def _table_cells(result, group: int) -> tuple[list, list]:
+    """z (entry kinds) and hover text, table entry by step, for one group."""
+    width = max(len(s.tables[group]) for s in result.steps)
+    z = [[None] * len(result.steps) for _ in range(width)]
+    text = [[""] * len(result.steps) for _ in range(width)]
+    for x, s in enumerate(result.steps):
+        table, freed, new = s.tables[group], s.freed[group], s.new[group]
+        nulls = table.count(0)
+        for i, block in enumerate(table):
+            z[i][x] = _entry_kind(i, table, len(freed), len(new))
+            text[i][x] = (f"block {block}" if block else
+                          f"null block (handed back block {freed[nulls - 1 - i]})"
+                          if z[i][x] == 1 else "null block")
+    return z, text
+
+
+def group_tables_steps(result) -> go.Figure:
+    """One sequence's block table in each KV cache group, decode step by step (`TableSteps`):
+    held blocks, blocks taken and handed back at each step, null-block entries; above, the
+    pool's free blocks."""
+    from plotly.subplots import make_subplots
+    n = len(result.groups)
+    fig = make_subplots(rows=n + 1, cols=1, shared_xaxes=True, vertical_spacing=0.02,
+                        row_heights=[1.5] + [1] * n,
+                        subplot_titles=["free blocks in the pool"])
+    steps = [s.step for s in result.steps]
+    fig.add_scatter(x=steps, y=[s.num_free_blocks for s in result.steps], mode="lines+markers",
+                    line_shape="hv", showlegend=False, row=1, col=1)
+    scale = [[k / 4 + e, TABLE_ENTRY[k][1]] for k in range(4) for e in (0, 0.25)]
+    for g in range(n):
+        z, text = _table_cells(result, g)
+        fig.add_heatmap(z=z, x=steps, text=text, zmin=-0.5, zmax=3.5, colorscale=scale,
+                        showscale=False, xgap=1, ygap=1, row=g + 2, col=1,
+                        hovertemplate="step %{x}, entry %{y}: %{text}<extra>"
+                        + result.groups[g].describe() + "</extra>")
+        window = result.groups[g].window
+        fig.update_yaxes(title_text=f"group {g}<br>" + ("full" if window is None
+                                                       else f"window {window:,}"),
+                         autorange="reversed", row=g + 2, col=1)
+    for kind, (label, colour) in TABLE_ENTRY.items():  # a legend for the cell colours
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=label,
+                        marker=dict(color=colour, size=10, symbol="square"), row=1, col=1)
+    fig.update_xaxes(title_text="step (0: prefill)", row=n + 1, col=1)
+    fig.update_layout(height=220 + 140 * n, title=(
+        f"{result.model}: one sequence's block table per KV cache group (entries down, "
+        f"steps across), blocks of {result.block_size} tokens"))
     return fig

@@ -165,6 +165,30 @@ def block_tables_table(allocator, shown: int = 12) -> Table:
                   for seq, t in allocator.tables.items()])
 
 
+def group_steps_table(result, changes_only: bool = True) -> Table:
+    """One sequence's block table in each KV cache group, step by step (`TableSteps`): blocks
+    held, null-block entries, blocks handed back (−) and taken (+), and the pool's free blocks;
+    `changes_only`: the prefill and the steps where a block moved."""
+    def ids(blocks, shown=4):
+        return ", ".join(map(str, blocks[:shown])) + (f", … ({len(blocks)})"
+                                                      if len(blocks) > shown else "")
+
+    def cell(s, g):
+        held = sum(b != 0 for b in s.tables[g])
+        moved = "".join([f" −[{ids(s.freed[g])}]" if s.freed[g] else "",
+                         f" +[{ids(s.new[g])}]" if s.new[g] else ""])
+        return f"{held} held, {s.tables[g].count(0)} null{moved}"
+    names = [f"group {g} ({'full' if grp.window is None else f'window {grp.window:,}'})"
+             for g, grp in enumerate(result.groups)]
+    steps = [s for s in result.steps
+             if not changes_only or s.step == 0 or any(s.freed + s.new)]
+    return Table([{"step": s.step, "tokens": s.num_computed_tokens,
+                   **{name: cell(s, g) for g, name in enumerate(names)},
+                   "free blocks": s.num_free_blocks} for s in steps],
+                 title=f"{result.model}: sequence 0's block tables, blocks of "
+                       f"{result.block_size} tokens, {result.num_blocks:,} in the pool")
+
+
 def pr_blocks_table(a, model_name: str, device: str) -> Table:
     """The PR's Gemma-2B blocks in bytes beside this run's (`PRArithmetic`)."""
     here = a.here_blocks

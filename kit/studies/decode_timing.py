@@ -412,7 +412,8 @@ def step_costs(settings: Settings, fit: CacheFit) -> list[StepCost]:
     step)."""
     spec = KVCacheSpec.from_settings(settings)
     return [decode_step_cost(settings.arch, settings.dtype_bytes, spec.bytes_per_token,
-                             [n + t + 1 for n in fit.prompt_lens]) for t in range(fit.steps)]
+                             [n + t + 1 for n in fit.prompt_lens], spec.windows)
+            for t in range(fit.steps)]
 
 
 def check_mixed_lengths(settings: Settings, model: Decoder,

@@ -4,10 +4,11 @@ chapter's widget, and the PR's Gemma-2B blocks turned into bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from kit.config import FULL, SLIDING, ModelConfig, Settings, reference
+from kit.config import ModelConfig, Settings, reference
 from kit.engine.block_table import BlockAllocator, OutOfBlocks
+from kit.engine.kv_groups import with_layer_pattern
 from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
                                  estimate_activation_bytes, in_flight_tokens, size_kv_cache,
                                  split_budget)
@@ -42,20 +43,6 @@ def requests_that_fit(num_blocks: int, settings: Settings) -> int:
             held += 1
     except OutOfBlocks:
         return held
-
-
-def with_layer_pattern(arch: ModelConfig, full_every: int | None,
-                       sliding_window: int | None = None) -> ModelConfig:
-    """`arch` with every `full_every`-th layer full attention and the others sliding over
-    `sliding_window` tokens (its own window when None); `full_every` 0 keeps its layers."""
-    if full_every == 0:
-        return arch
-    window = sliding_window or arch.sliding_window or 4096
-    kinds = tuple(FULL if full_every and (i + 1) % full_every == 0 else SLIDING
-                  for i in range(arch.num_hidden_layers))
-    if SLIDING not in kinds:
-        return replace(arch, layer_types=(), sliding_window=None)
-    return replace(arch, layer_types=kinds, sliding_window=window)
 
 
 def concurrency_curve(arch: ModelConfig, budget_bytes: int, lengths: list[int], *,

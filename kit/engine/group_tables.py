@@ -1,0 +1,162 @@
+"""Block tables per KV cache group (chapter 02): vLLM 0.32's `KVCacheManager` with prefix
+caching off, for models whose layers attend differently. No torch here.
+
+One pool of block ids serves every group (`kv_groups`). Block 0 is vLLM's null block: never
+handed out, it stands in a table where a block was handed back (`BlockPool.null_block`). Each
+sequence has one table per group; a layer finds token `position` of a sequence in its group's
+table, as in chapter 02's single table.
+
+Each step (`allocate_slots`), before taking new blocks, a sliding-window group hands back the
+blocks that lie wholly before its window: after c computed tokens the next token sees the last
+W of them, so the first c − W + 1 tokens are skipped (`SlidingWindowManager.
+get_num_skipped_tokens`) and the (c − W + 1) // block_size blocks that hold only skipped tokens
+go back to the pool, replaced by the null block (`remove_skipped_blocks`). A full-attention
+group keeps every block until the sequence ends. A prefill longer than the window still takes
+blocks for its whole prompt: they are handed back at the first decode step.
+
+Steps run as a synchronous scheduler runs them: a step's tokens are processed before the next
+step is scheduled. (With async scheduling vLLM frees on the processed tokens only,
+`computed − num_in_flight_tokens`, so a window's blocks go back one step later.)
+
+Free blocks are reused last-in first-out, as vLLM's free block queue does for blocks without a
+prefix-cache hash (`BlockPool.free_blocks` prepends them).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from kit.engine.block_table import OutOfBlocks
+from kit.engine.kv_groups import KVGroup
+
+NULL_BLOCK = 0  # vLLM's null block: reserved, fills the table entries handed back
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """What one `allocate_slots` call did to one sequence, per group (in the groups' order)."""
+
+    freed: tuple[tuple[int, ...], ...]  # handed back (now null block entries)
+    new: tuple[tuple[int, ...], ...]    # taken from the pool for this step's tokens
+
+
+class FreeBlockQueue:
+    """vLLM's `FreeKVCacheBlockQueue` without prefix caching: take from the front, hand back to
+    the front (the last block handed back is the next taken)."""
+
+    def __init__(self, num_blocks: int):
+        self._queue = deque(range(NULL_BLOCK + 1, num_blocks))
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._queue
+
+    def take(self, n: int) -> list[int]:
+        """`BlockPool.get_new_blocks`."""
+        if n > len(self._queue):
+            raise OutOfBlocks(f"need {n} blocks, {len(self._queue)} free: "
+                              f"{n - len(self._queue)} missing")
+        return [self._queue.popleft() for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        """`BlockPool.free_blocks`: `blocks` go to the front, in their order."""
+        self._queue.extendleft(reversed([b for b in blocks if b != NULL_BLOCK]))
+
+
+def skipped_tokens(group: KVGroup, num_computed_tokens: int) -> int:
+    """Tokens the next token's attention skips (`get_num_skipped_tokens`): none for full
+    attention, all but the last window − 1 computed ones for a window."""
+    if group.window is None:
+        return 0
+    return max(0, num_computed_tokens - group.window + 1)
+
+
+class GroupedBlockTables:
+    """One pool of `num_blocks` block ids (block 0 the null block) and, for each sequence, one
+    block table per KV cache group: vLLM's `KVCacheManager.allocate_slots` and `free`."""
+
+    def __init__(self, num_blocks: int, block_size: int, groups: tuple[KVGroup, ...]):
+        if num_blocks < 2 or block_size < 1 or not groups:
+            raise ValueError("need num_blocks >= 2 (one is the null block), block_size >= 1 "
+                             "and at least one group")
+        self.num_blocks, self.block_size, self.groups = num_blocks, block_size, tuple(groups)
+        self.pool = FreeBlockQueue(num_blocks)
+        self.tables: dict[int, tuple[list[int], ...]] = {}
+        self.num_computed_tokens: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, the null block not counted (`BlockPool.get_num_free_blocks`)."""
+        return len(self.pool)
+
+    def remove_skipped_blocks(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """Hand back each group's blocks that hold only skipped tokens, last block first,
+        replacing them with the null block (`SingleTypeKVCacheManager.remove_skipped_blocks`
+        and `_remove_blocks_in_range`); returns them per group."""
+        computed = self.num_computed_tokens[seq_id]
+        freed_per_group = []
+        for group, table in zip(self.groups, self.tables[seq_id]):
+            skipped = min(skipped_tokens(group, computed) // self.block_size, len(table))
+            freed = []
+            for i in range(skipped - 1, -1, -1):
+                if table[i] == NULL_BLOCK:
+                    break  # handed back at an earlier step, and everything before it
+                freed.append(table[i])
+                table[i] = NULL_BLOCK
+            self.pool.give_back(freed)
+            freed_per_group.append(tuple(freed))
+        return tuple(freed_per_group)
+
+    def blocks_to_allocate(self, seq_id: int, num_new_tokens: int) -> int:
+        """New blocks the next `num_new_tokens` tokens need across groups
+        (`get_num_blocks_to_allocate` for a running request)."""
+        need = math.ceil((self.num_computed_tokens[seq_id] + num_new_tokens) / self.block_size)
+        return sum(max(need - len(table), 0) for table in self.tables[seq_id])
+
+    def allocate_slots(self, seq_id: int, num_new_tokens: int) -> StepBlocks:
+        """Slots for `num_new_tokens` more tokens of `seq_id` (a new sequence: its prompt, or a
+        chunk of it): first the skipped blocks go back, then each group takes the blocks it
+        lacks, group by group (`KVCacheManager.allocate_slots`). The tokens then count as
+        computed. Raises `OutOfBlocks` when the pool is short, after handing back the skipped
+        blocks and taking nothing, as vLLM does."""
+        if seq_id not in self.tables:
+            self.tables[seq_id] = tuple([] for _ in self.groups)
+            self.num_computed_tokens[seq_id] = 0
+        freed = self.remove_skipped_blocks(seq_id)
+        need = self.blocks_to_allocate(seq_id, num_new_tokens)
+        if need > self.num_free_blocks:
+            if self.num_computed_tokens[seq_id] == 0:  # a new sequence leaves no trace
+                del self.tables[seq_id], self.num_computed_tokens[seq_id]
+            raise OutOfBlocks(f"need {need} blocks, {self.num_free_blocks} free: "
+                              f"{need - self.num_free_blocks} missing")
+        total = self.num_computed_tokens[seq_id] + num_new_tokens
+        new = []
+        for table in self.tables[seq_id]:
+            blocks = self.pool.take(max(math.ceil(total / self.block_size) - len(table), 0))
+            table.extend(blocks)
+            new.append(tuple(blocks))
+        self.num_computed_tokens[seq_id] = total
+        return StepBlocks(freed, tuple(new))
+
+    def free(self, seq_id: int) -> None:
+        """Hand back all of a finished sequence's blocks: group by group, each table last block
+        first (`KVCacheCoordinator.free`, `SingleTypeKVCacheManager.free`)."""
+        for table in self.tables.pop(seq_id):
+            self.pool.give_back(table[::-1])
+        del self.num_computed_tokens[seq_id]
+
+    def group_of(self, layer: int) -> int:
+        """The index of the group whose table `layer` reads."""
+        return next(i for i, g in enumerate(self.groups) if layer in g.layers)
+
+    def slot(self, seq_id: int, position: int, group: int) -> int:
+        """Flat slot index (block id × block_size + offset) of token `position` for the layers
+        of group `group`; a position handed back (null block) is refused."""
+        block = self.tables[seq_id][group][position // self.block_size]
+        if block == NULL_BLOCK:
+            raise ValueError(f"position {position} of sequence {seq_id} left group {group}'s "
+                             "window: its block was handed back")
+        return block * self.block_size + position % self.block_size
