@@ -19,7 +19,7 @@ import pytest
 
 import kit
 from kit.config import MODELS_DIR, ModelConfig, known_names
-from kit.engine.kv_cache import KVCacheSpec, size_kv_cache
+from kit.engine.kv_cache import KVCacheSpec, in_flight_tokens, size_kv_cache
 from kit.errors import ConfigError
 from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
 from kit.vllm.engine_runs import run_engine, run_settings
@@ -42,7 +42,8 @@ MAX_MODEL_LEN = 2048
 
 @pytest.mark.parametrize("model", MODELS)
 def test_block_counts_equal_vllms_for_every_budget_block_size_and_dtype(model):
-    rows = agreement_grid("cpu-small", [model], BUDGETS, BLOCK_SIZES, CACHE_DTYPES, (1, 2),
+    block_sizes = grid_block_sizes(ModelConfig.load(model), BLOCK_SIZES)
+    rows = agreement_grid("cpu-small", [model], BUDGETS, block_sizes, CACHE_DTYPES, (1, 2),
                           MAX_MODEL_LEN)
     wrong = [r.row() for r in rows if not r.agree]
     assert not wrong, json.dumps(wrong[:3], indent=1)
@@ -56,7 +57,7 @@ def test_both_refuse_when_only_the_null_block_is_missing(model):
     is its pool's null block), and so must the kit; one block more and both accept."""
     settings = kit.load("cpu-small", model=model, block_size=32, max_model_len=MAX_MODEL_LEN)
     spec = KVCacheSpec.from_settings(settings)
-    need = spec.blocks_for(MAX_MODEL_LEN)
+    need = spec.blocks_per_request(settings.max_model_len, in_flight_tokens(settings))
     rows = agreement_grid("cpu-small", [model], [need * spec.bytes_per_block,
                                                  (need + 1) * spec.bytes_per_block],
                           [32], ["auto"], (1,), MAX_MODEL_LEN)
@@ -298,12 +299,12 @@ def grid_lens(arch):
     return sorted({min(n, arch.max_position_embeddings) for n in GRID_LENS})
 
 
-def grid_block_sizes(arch):
+def grid_block_sizes(arch, block_sizes=GRID_BLOCK_SIZES):
     """vLLM's CPU attention gives a window layer blocks in multiples of 32 whatever block_size
     says (`_largest_kernel_block_within`), so block 16 is checked on full attention only; see
     `test_vllms_cpu_gives_window_layers_32_token_blocks_at_block_size_16`."""
     windowed = any(arch.window(i) for i in range(arch.num_hidden_layers))
-    return [b for b in GRID_BLOCK_SIZES if not (windowed and b % 32)]
+    return [b for b in block_sizes if not (windowed and b % 32)]
 
 
 def kit_side(spec, budget, max_model_len, batched):

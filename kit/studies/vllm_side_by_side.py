@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -22,7 +23,10 @@ from kit.errors import ConfigError
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.measure.timing import median_or_none
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
+from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, vllm_kv_sizing
+from kit.vllm.model_folder import write_model_folder
+from kit.vllm.sizer import VLLMSizer
 from kit.units import parse_bytes
 
 
@@ -63,13 +67,21 @@ def kit_kv_sizing(settings, budget_bytes: int):
         return str(e)
 
 
-def kv_agreement(settings, budget_bytes: int) -> KVAgreement:
-    """The kit's blocks and log line beside vLLM's for one configuration (no engine)."""
+def kv_agreement(settings, budget_bytes: int, sizer: VLLMSizer | None = None) -> KVAgreement:
+    """The kit's blocks and log line beside vLLM's for one configuration (no engine): vLLM's
+    sizing of the specs its model builds from the kit's config.json, by `sizer` when given
+    (built for these settings), else built here."""
     kit_side = kit_kv_sizing(settings, budget_bytes)
-    vllm_side: VLLMKVSizing = vllm_kv_sizing(
-        settings.arch, budget_bytes, block_size=settings.block_size,
-        max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
-        dtype=settings.dtype, tensor_parallel_size=settings.tensor_parallel_size)
+    if sizer is not None:
+        vllm_side = sizer.size(budget_bytes, settings.max_model_len,
+                               settings.max_num_batched_tokens)
+    else:
+        vllm_side: VLLMKVSizing = vllm_kv_sizing(
+            settings.arch, budget_bytes, block_size=settings.block_size,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            kv_cache_dtype=settings.kv_cache_dtype, dtype=settings.dtype,
+            tensor_parallel_size=settings.tensor_parallel_size)
     refused = isinstance(kit_side, str)
     return KVAgreement(
         settings.arch.name, budget_bytes, settings.block_size, settings.kv_cache_dtype,
@@ -81,16 +93,34 @@ def kv_agreement(settings, budget_bytes: int) -> KVAgreement:
 
 def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
                    tensor_parallel_sizes=(1,), max_model_len: int = 2048) -> list[KVAgreement]:
-    """`kv_agreement` for every combination (each model's max_model_len capped at its own)."""
+    """`kv_agreement` for every combination (each model's max_model_len capped at its own),
+    vLLM's model built once per model, block size, cache dtype and TP size (`VLLMSizer`)."""
     out = []
-    for model, budget, block_size, cache_dtype, tp in itertools.product(
-            models, budgets, block_sizes, cache_dtypes, tensor_parallel_sizes):
-        arch = ModelConfig.load(model)
-        settings = load(preset, model=model, block_size=block_size, kv_cache_dtype=cache_dtype,
-                        tensor_parallel_size=tp,
-                        max_model_len=min(max_model_len, arch.max_position_embeddings))
-        out.append(kv_agreement(settings, parse_bytes(budget)))
+    with tempfile.TemporaryDirectory(prefix="kit-vllm-grid-") as tmp:
+        for model, block_size, cache_dtype, tp in itertools.product(
+                models, block_sizes, cache_dtypes, tensor_parallel_sizes):
+            arch = ModelConfig.load(model)
+            settings = load(preset, model=model, block_size=block_size,
+                            kv_cache_dtype=cache_dtype, tensor_parallel_size=tp,
+                            max_model_len=min(max_model_len, arch.max_position_embeddings))
+            sizer = sizer_or_none(settings, Path(tmp))
+            out += [kv_agreement(settings, parse_bytes(b), sizer) for b in budgets]
     return out
+
+
+def sizer_or_none(settings, folder: Path) -> VLLMSizer | None:
+    """vLLM's sizer for `settings` (the kit's config.json written under `folder`), or None
+    when vLLM is missing or refuses the settings (`kv_agreement` then says why)."""
+    if vllm_missing():
+        return None
+    try:
+        return VLLMSizer.build(write_model_folder(settings.arch, folder / settings.arch.name),
+                               block_size=settings.block_size,
+                               max_model_len=settings.max_model_len,
+                               kv_cache_dtype=settings.kv_cache_dtype, dtype=settings.dtype,
+                               tensor_parallel_size=settings.tensor_parallel_size)
+    except Exception:  # a refusal of the settings themselves: reported by `vllm_kv_sizing`
+        return None
 
 
 def engine_agreement(settings, budget_bytes: int, run) -> dict:
