@@ -440,3 +440,9 @@ def test_mistral_and_gemma3_concurrency_through_vllms_code(published):
     gemma = concurrency_curve(ModelConfig.load("gemma-3-1b"), 8 * 2**30, max_model_lens=lens)
     assert gemma.windowed_blocks[-1] == 6 * (-(-(511 + 2048) // 32) + 1) + 1024
     assert gemma.gain()[0] < 1 < gemma.gain()[-1]
+    for curve in (mistral, gemma):  # the kit's arithmetic draws the same two curves
+        spec = KVCacheSpec.for_model(ModelConfig.load(curve.model), 32, "bfloat16")
+        for key, kit_spec in (("windowed", spec), ("full", replace(spec, windows=()))):
+            kit_curve = [size_kv_cache(kit_spec, 8 * 2**30, n, "CPU", 2048).max_concurrency
+                         for n in lens]
+            assert kit_curve == getattr(curve, key), (curve.model, key)

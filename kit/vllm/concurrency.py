@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kit.vllm.installed import vllm_missing
+from kit.vllm.log import fail_message
 from kit.vllm.sizer import VLLMSizer
 
 
@@ -54,6 +55,10 @@ def all_full_attention(hf: dict) -> dict:
     return out
 
 
+def _folder_name(path: Path) -> str:
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
 def _sizes(sizer: VLLMSizer, budget: int, lens, batched: int):
     results = [sizer.size(budget, n, batched) for n in lens]
     return ([r.max_concurrency for r in results], [r.blocks_per_request for r in results])
@@ -68,7 +73,7 @@ def concurrency_curve(model, budget_bytes: int, *, block_size: int = 32,
     vLLM's `get_kv_cache_configs` and `get_kv_cache_capacity` on the specs its model builds."""
     lens = sorted(max_model_lens)
     hf = config_dict(model)
-    name = name or getattr(model, "name", None) or Path(model).stem
+    name = name or getattr(model, "name", None) or _folder_name(Path(model))
     curve = ConcurrencyCurve(name, budget_bytes, block_size, max_num_batched_tokens, lens,
                              [], [], [], [])
     curve.error = vllm_missing()
@@ -79,8 +84,12 @@ def concurrency_curve(model, budget_bytes: int, *, block_size: int = 32,
             folder = Path(tmp) / key
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps(config, indent=1))
-            sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
-                                    dtype=dtype)
+            try:
+                sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
+                                        dtype=dtype)
+            except Exception as e:  # vLLM refuses the settings (a length, a block size)
+                curve.error = fail_message(e)
+                return curve
             conc, blocks = _sizes(sizer, budget_bytes, lens, max_num_batched_tokens)
             setattr(curve, key, conc)
             setattr(curve, f"{key}_blocks", blocks)

@@ -155,8 +155,10 @@ def _read_engine(llm, run: EngineRun, records: list) -> None:
         engine_specs = core.model_executor.get_kv_cache_specs()[0]
         run.specs_as_built = engine_specs == specs_without_engine(vc)
         kv = core.scheduler.kv_cache_config
-        run.kv_cache_bytes = sum(t.size for t in kv.kv_cache_tensors)
-        run.bytes_per_block = run.kv_cache_bytes // kv.num_blocks if kv.num_blocks else None
+        # groups' tensors alias one allocation: a block id costs the pool's bytes per block
+        from vllm.v1.core.kv_cache_utils import _pool_bytes_per_block
+        run.bytes_per_block = _pool_bytes_per_block(vc, kv.kv_cache_groups)
+        run.kv_cache_bytes = run.bytes_per_block * kv.num_blocks
         if vc.device_config.device_type == "cuda":
             run.memory = _gpu_memory_profile(core)
     run.kv_log_line = next((r.getMessage() for r in records

@@ -72,14 +72,22 @@ def per_rank(specs: dict, vllm_config) -> dict:
     return {name: replace(spec, num_kv_heads=heads) for name, spec in specs.items()}
 
 
+def release(vllm_config) -> None:
+    """Forget the meta model as a model runner's `shutdown` forgets its model: the config's
+    forward context emptied (so the config can build again) and vLLM's shared rotary
+    embeddings dropped (`_ROPE_DICT`: an engine started later would reuse their meta
+    tensors)."""
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    vllm_config.compilation_config.static_forward_context.clear()
+    _ROPE_DICT.clear()
+
+
 def model_kv_specs(vllm_config) -> dict:
     """vLLM's KV cache spec for every layer of the model `vllm_config` describes, built by
-    vLLM's model on the meta device (`build_on_meta`, `collect_specs`); the config's forward
-    context is emptied afterwards so the same config can build again."""
-    context = vllm_config.compilation_config.static_forward_context
-    context.clear()
+    vLLM's model on the meta device (`build_on_meta`, `collect_specs`), then `release`d."""
+    vllm_config.compilation_config.static_forward_context.clear()
     try:
         build_on_meta(vllm_config)
         return per_rank(collect_specs(vllm_config), vllm_config)
     finally:
-        context.clear()
+        release(vllm_config)
