@@ -171,3 +171,14 @@ def test_the_allocator_counts_the_concurrency_the_formula_divides():
     for blocks in (64, 126, 127, 1108):
         sizing = size_kv_cache(spec, blocks * spec.bytes_per_block + 5, 63 * 16)
         assert requests_that_fit(blocks, settings) == int(sizing.max_concurrency) == blocks // 63
+
+
+def test_windowed_caches_on_the_cpu_take_vllms_32_token_blocks():
+    """vLLM's CPU attention gives window layers blocks in multiples of 32, and the whole cache
+    is then sized at that block; full-attention models and CUDA keep block_size."""
+    mistral = ModelConfig.load("mistral-7b-v0.1")
+    assert KVCacheSpec.for_model(mistral, 16, "bfloat16", device="cpu").block_size == 32
+    assert KVCacheSpec.for_model(mistral, 16, "bfloat16", device="cuda").block_size == 16
+    assert KVCacheSpec.for_model(mistral, 64, "bfloat16", device="cpu").block_size == 64
+    assert KVCacheSpec.for_model(ModelConfig.load("tiny"), 16, "bfloat16",
+                                 device="cpu").block_size == 16

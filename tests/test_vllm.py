@@ -42,8 +42,7 @@ MAX_MODEL_LEN = 2048
 
 @pytest.mark.parametrize("model", MODELS)
 def test_block_counts_equal_vllms_for_every_budget_block_size_and_dtype(model):
-    block_sizes = grid_block_sizes(ModelConfig.load(model), BLOCK_SIZES)
-    rows = agreement_grid("cpu-small", [model], BUDGETS, block_sizes, CACHE_DTYPES, (1, 2),
+    rows = agreement_grid("cpu-small", [model], BUDGETS, BLOCK_SIZES, CACHE_DTYPES, (1, 2),
                           MAX_MODEL_LEN)
     wrong = [r.row() for r in rows if not r.agree]
     assert not wrong, json.dumps(wrong[:3], indent=1)
@@ -299,14 +298,6 @@ def grid_lens(arch):
     return sorted({min(n, arch.max_position_embeddings) for n in GRID_LENS})
 
 
-def grid_block_sizes(arch, block_sizes=GRID_BLOCK_SIZES):
-    """vLLM's CPU attention gives a window layer blocks in multiples of 32 whatever block_size
-    says (`_largest_kernel_block_within`), so block 16 is checked on full attention only; see
-    `test_vllms_cpu_gives_window_layers_32_token_blocks_at_block_size_16`."""
-    windowed = any(arch.window(i) for i in range(arch.num_hidden_layers))
-    return [b for b in block_sizes if not (windowed and b % 32)]
-
-
 def kit_side(spec, budget, max_model_len, batched):
     """The kit's numbers in vLLM's terms, or None where the kit refuses."""
     try:
@@ -336,11 +327,11 @@ def grid_rows(name, folder):
     """Every grid configuration of one model: (where, kit's numbers, vLLM's numbers)."""
     arch = ModelConfig.load(name)
     rows = []
-    for block_size, cache_dtype in itertools.product(grid_block_sizes(arch), GRID_CACHE_DTYPES):
+    for block_size, cache_dtype in itertools.product(GRID_BLOCK_SIZES, GRID_CACHE_DTYPES):
         lens = grid_lens(arch)
         sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
                                 kv_cache_dtype=cache_dtype, dtype="bfloat16")
-        spec = KVCacheSpec.for_model(arch, block_size, "bfloat16", cache_dtype)
+        spec = KVCacheSpec.for_model(arch, block_size, "bfloat16", cache_dtype, device="cpu")
         for n, batched in itertools.product(lens, GRID_BATCHED):
             for budget in GRID_BUDGETS + edge_budgets(spec, n, batched):
                 where = (name, block_size, cache_dtype, n, batched, budget)
@@ -398,8 +389,8 @@ def test_a_sizer_built_once_equals_freshly_built_configs(published, name, block_
 
 
 def test_vllms_cpu_gives_window_layers_32_token_blocks_at_block_size_16(published):
-    """Where the kit and vLLM's CPU backend part: at block_size 16, vLLM's window layers take
-    the CPU kernel's 32-token blocks and the whole cache is sized as at block 32."""
+    """At block_size 16, vLLM's CPU window layers take the CPU kernel's 32-token blocks and the
+    whole cache is sized as at block 32; the kit sizes so too (`engine_block_size`)."""
     for name in ("mistral-7b-v0.1", "gemma-2-2b", "gemma-3-1b"):
         at = {b: vllm_kv_sizing_for_folder(published[name], 2**30, block_size=b,
                                            max_model_len=4096, max_num_batched_tokens=2048)

@@ -284,9 +284,12 @@ def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str
 
 
 def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
-    """The cache tensor ([num_layers, 2, num_blocks, block_size, kv_heads, head_dim])."""
-    return allocate(KVCacheSpec.from_settings(settings), num_blocks, settings.dtype,
-                    settings.device)
+    """The cache tensor ([num_layers, 2, num_blocks, block_size, kv_heads, head_dim]): one
+    table for every layer, each layer its own page of a block (sliding layers mask what lies
+    outside their window; vLLM's per-group tables are chapter 02's `GroupedBlockTables`)."""
+    spec = KVCacheSpec.for_model(settings.arch, settings.block_size, settings.dtype,
+                                 settings.kv_cache_dtype, settings.tensor_parallel_size)
+    return allocate(spec, num_blocks, settings.dtype, settings.device)
 
 
 def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = False,

@@ -51,6 +51,19 @@ def in_flight_tokens(settings) -> int:
     return settings.max_num_batched_tokens * (2 if settings.device == "cuda" else 1)
 
 
+CPU_KERNEL_BLOCK = 32  # vLLM's CPU attention takes blocks in multiples of this
+
+
+def engine_block_size(block_size: int, windows: tuple, device: str | None) -> int:
+    """The block vLLM sizes the cache with: `block_size`, except on the CPU for a model with
+    sliding windows, whose window layers take the CPU kernel's blocks (multiples of 32:
+    `_largest_kernel_block_within` in vLLM's `Attention.get_kv_cache_spec`), and then the
+    whole cache is sized at that block (block_size 16 sizes as 32)."""
+    if device == "cpu" and windows and block_size % CPU_KERNEL_BLOCK:
+        return -(-block_size // CPU_KERNEL_BLOCK) * CPU_KERNEL_BLOCK
+    return block_size
+
+
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
@@ -69,18 +82,21 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
-                  tensor_parallel_size: int = 1) -> "KVCacheSpec":
+                  tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheSpec":
+        """`device` "cpu": blocks as vLLM's CPU attention takes them (`engine_block_size`)."""
         check_tensor_parallel(arch, tensor_parallel_size)
+        windows = layer_windows(arch)
         return cls(num_layers=arch.num_hidden_layers,
                    num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
-                   head_dim=arch.head_dim, block_size=block_size,
+                   head_dim=arch.head_dim, block_size=engine_block_size(block_size, windows, device),
                    dtype_bytes=cache_dtype_bytes(kv_cache_dtype, model_dtype),
-                   kv_cache_dtype=kv_cache_dtype, windows=layer_windows(arch))
+                   kv_cache_dtype=kv_cache_dtype, windows=windows)
 
     @classmethod
     def from_settings(cls, settings) -> "KVCacheSpec":
         return cls.for_model(settings.arch, settings.block_size, settings.dtype,
-                             settings.kv_cache_dtype, settings.tensor_parallel_size)
+                             settings.kv_cache_dtype, settings.tensor_parallel_size,
+                             settings.device)
 
     def formula(self) -> str:
         """The bytes-per-block arithmetic written out with this spec's numbers."""
@@ -319,14 +335,15 @@ class BudgetSplit:
 def split_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utilization: float,
                  activation_bytes: int, block_size: int, kv_cache_dtype: str,
                  max_model_len: int, tensor_parallel_size: int = 1,
-                 device_label: str = "GPU", in_flight_tokens: int = 2048) -> BudgetSplit:
+                 device_label: str = "GPU", in_flight_tokens: int = 2048,
+                 device: str | None = None) -> BudgetSplit:
     """The calculator's arithmetic for one rank. Weights are split evenly over the ranks (vLLM
     shards the linear layers and the embedding; the small norms are replicated).
     `in_flight_tokens` (see `in_flight_tokens`) sizes sliding windows' reservations."""
     weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
     budget = memory_budget(capacity_bytes, gpu_memory_utilization)
     spec = KVCacheSpec.for_model(arch, block_size, model_dtype, kv_cache_dtype,
-                                 tensor_parallel_size)
+                                 tensor_parallel_size, device)
     kv = max(0, budget - weights - activation_bytes)
     return BudgetSplit(capacity_bytes, gpu_memory_utilization, weights, activation_bytes,
                        KVCacheSizing(spec, kv, max_model_len, device_label, in_flight_tokens))

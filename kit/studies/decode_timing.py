@@ -236,7 +236,8 @@ def fit_in_cache(settings: Settings, budget_bytes: int, budget_source: str) -> C
     spec = KVCacheSpec.from_settings(settings)
     lengths = prompt_lengths(settings.batch_size, settings.input_len)
     steps = settings.output_len - 1
-    budget_blocks = max(0, budget_bytes) // spec.bytes_per_block
+    # the kit's decode keeps a page per layer for every block (`kv_cache_for`)
+    budget_blocks = max(0, budget_bytes) // (spec.bytes_per_token * settings.block_size)
     need = check_capacity(lengths, steps, settings.block_size, budget_blocks,
                           f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
     return CacheFit(lengths, steps, settings.block_size, need, budget_bytes, budget_source,

@@ -114,6 +114,7 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
             settings.dtype_bytes), "estimated"
     knobs.setdefault("device_label", device_label(settings.device))  # the log line's "CPU"
     knobs.setdefault("in_flight_tokens", in_flight_tokens(settings))  # what a window reserves
+    knobs.setdefault("device", settings.device)  # vLLM's CPU blocks for windows
     return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
 
 
