@@ -232,12 +232,19 @@ def kv_groups(sizing) -> go.Figure:
     return fig
 
 
-def concurrency_vs_len(curves: list[tuple[str, list, list, str]], title: str) -> go.Figure:
+def concurrency_vs_len(curves: list[tuple[str, list, list, str]], title: str,
+                       points: list[tuple[str, list, list, str]] = ()) -> go.Figure:
     """Max concurrency against max_model_len, one line per (label, lengths, values, dash);
-    None where the cache would be refused."""
+    None where the cache would be refused. `points`: the same as open markers in each line's
+    colour (vLLM's numbers beside the kit's lines)."""
     fig = go.Figure()
-    for label, lengths, values, dash in curves:
-        fig.add_scatter(x=lengths, y=values, name=label, mode="lines+markers", line_dash=dash)
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"]
+    for (label, lengths, values, dash), color in zip(curves, palette):
+        fig.add_scatter(x=lengths, y=values, name=label, mode="lines+markers", line_dash=dash,
+                        line_color=color)
+    for (label, lengths, values, _), color in zip(points, palette):
+        fig.add_scatter(x=lengths, y=values, name=label, mode="markers", marker=dict(
+            color=color, size=13, symbol="circle-open", line_width=2))
     fig.update_xaxes(type="log", title_text="max_model_len (tokens per request)",
                      tickvals=curves[0][1], ticktext=[f"{n // 1024}k" if n >= 1024 else str(n)
                                                       for n in curves[0][1]])

@@ -22,6 +22,7 @@ from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.measure.timing import median_or_none
+from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
 from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, vllm_kv_sizing
@@ -387,6 +388,20 @@ def with_budget(settings, profiled_run):
                           "kv_cache_memory_bytes")
     return replace(settings, kv_cache_memory_bytes=profiled_run.memory["kv_cache_budget_bytes"]
                    if profiled_run.memory else profiled_run.kv_cache_bytes)
+
+
+def vllm_concurrency(models, budget_bytes: int, lengths: list[int], *, block_size: int,
+                     dtype: str, in_flight: int) -> dict[str, dict[str, list]]:
+    """Chapter 02's lesson asked of vLLM's own code (`concurrency_curve`): for each model, max
+    concurrency at each max_model_len as configured and with every layer full attention."""
+    out = {}
+    for name in models:
+        curve = concurrency_curve(ModelConfig.load(name), budget_bytes, block_size=block_size,
+                                  max_num_batched_tokens=in_flight, max_model_lens=lengths,
+                                  dtype=dtype)
+        out[name] = {"as configured": curve.windowed, "all full attention": curve.full,
+                     "error": curve.error}
+    return out
 
 
 def grid_per_model(grid: list[KVAgreement]) -> list[dict]:
