@@ -395,3 +395,24 @@ def test_a_token_comparison_vllm_could_not_run_is_recorded_not_raised():
     assert not failed.ok and failed.agreement == 0.0 and texts(failed) is None
     assert failed.summary()["error"].startswith("ValueError")
     assert "float32 not supported" in repr(token_table({"float32": failed}))
+
+
+@pytest.mark.parametrize("family,changes", [
+    ("gemma2", {"sliding_window": 8}), ("gemma3_text", {"sliding_window": 8}),
+    ("mistral", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}), ("gemma", {})])
+def test_transformers_reads_the_written_config_as_the_kit_does(family, changes):
+    """Where a family's config class has defaults of its own (Gemma 2's caps, 256 for
+    query_pre_attn_scalar, Mistral's window of 4096, Gemma 3's local RoPE base), the config
+    the kit writes still describes the kit's model: unset keys are written as null."""
+    transformers = pytest.importorskip("transformers")
+    arch = ModelConfig.from_dict({**SMALL, "model_type": family, **changes}, family)
+    hf = transformers.AutoConfig.for_model(**arch.hf_dict())
+    rope = hf.rope_parameters.get("sliding_attention", hf.rope_parameters)["rope_theta"]
+    assert (getattr(hf, "hidden_activation", None) or hf.hidden_act) == arch.hidden_act
+    assert (getattr(hf, "query_pre_attn_scalar", None) or hf.head_dim) ** -0.5 == \
+        arch.attention_scale
+    assert getattr(hf, "attn_logit_softcapping", None) == arch.attn_logit_softcapping
+    assert getattr(hf, "final_logit_softcapping", None) == arch.final_logit_softcapping
+    assert getattr(hf, "sliding_window", None) == arch.sliding_window
+    assert list(getattr(hf, "layer_types", None) or arch.layer_types) == list(arch.layer_types)
+    assert rope == arch.layer_rope_theta(0)
