@@ -87,6 +87,7 @@ INERT_KEYS = {
     "_name_or_path", "torch_dtype", "dtype", "cache_implementation", "output_attentions",
     "output_hidden_states", "return_dict", "tie_word_embeddings", "id2label", "label2id",
     "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+    "_sliding_window_pattern",  # Gemma 3's class keeps sliding_window_pattern under this name
 }
 # Keys the decoder honours only at the values listed (what every family it builds uses).
 FIXED_KEYS = {"mlp_bias": (False,), "pretraining_tp": (1,), "partial_rotary_factor": (1, 1.0),
@@ -278,10 +279,24 @@ class ModelConfig:
 
     def attention_keys(self) -> dict:
         """config.json's keys for what sets attention apart from plain causal attention, as
-        the family's published configs write them (vLLM and transformers read these)."""
+        the family's published configs write them (vLLM and transformers read these). Where a
+        family's config class has a default of its own (Gemma 2's caps and 256 for
+        query_pre_attn_scalar, Mistral's window of 4096, Gemma 3's local RoPE base of 10000),
+        the key is written even when unset (null), so that both read the kit's model."""
         keys = {k: getattr(self, k) for k in ("query_pre_attn_scalar", "attn_logit_softcapping",
                                                "final_logit_softcapping") if getattr(self, k)}
-        if self.sliding_window:
+        if self.family.startswith("gemma"):  # Gemma's classes read hidden_activation
+            keys["hidden_activation"] = self.hidden_act
+        if self.family in ("gemma2", "gemma3_text"):
+            keys.update(query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                        attn_logit_softcapping=self.attn_logit_softcapping,
+                        final_logit_softcapping=self.final_logit_softcapping,
+                        sliding_window=self.sliding_window, layer_types=list(self.layer_types))
+        if self.family == "gemma3_text":
+            keys["rope_local_base_freq"] = self.rope_local_base_freq or self.rope_theta
+        if self.family == "mistral":  # its class holds no layer_types: every layer or none
+            keys["sliding_window"] = self.sliding_window
+        elif self.sliding_window:
             keys["sliding_window"] = self.sliding_window
             keys["layer_types"] = list(self.layer_types)
             if self.family in ("qwen2", "qwen3"):  # their configs' own switch for windows

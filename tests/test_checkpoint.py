@@ -27,7 +27,9 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
          "tie_word_embeddings": False, "torch_dtype": "float32"}
 # Each family's traits: grouped- and multi-query attention, head_dim unlike hidden / heads,
 # tied and untied embeddings, QKV bias (qwen2), (1 + w) norms, sqrt(hidden) embedding scale
-# and GELU-tanh (gemma), exact GELU (a llama configured with "gelu").
+# and GELU-tanh (gemma), exact GELU (a llama configured with "gelu"); per-head QK-norm (qwen3,
+# gemma3), sliding windows shorter than the prompts (mistral, gemma2, gemma3), soft-capped scores
+# and logits, sandwich norms and query_pre_attn_scalar (gemma2), a local RoPE base (gemma3).
 CASES = {
     "llama-gqa": {},
     "llama-mqa-tied-gelu": {"num_key_value_heads": 1, "head_dim": 16, "hidden_act": "gelu",
@@ -42,7 +44,31 @@ CASES = {
     "gemma-mqa": {"model_type": "gemma", "hidden_size": 128, "num_key_value_heads": 1,
                   "head_dim": 48, "hidden_act": "gelu", "tie_word_embeddings": True,
                   "num_hidden_layers": 3},
+    "qwen3-qk-norm": {"model_type": "qwen3", "rope_theta": 1e6, "rms_norm_eps": 1e-6},
+    "mistral-window": {"model_type": "mistral", "sliding_window": 8, "rope_theta": 10000.0},
+    "gemma2-window-softcap": {
+        "model_type": "gemma2", "hidden_size": 128, "head_dim": 48, "hidden_act": "gelu",
+        "tie_word_embeddings": True, "num_hidden_layers": 3, "sliding_window": 8,
+        "query_pre_attn_scalar": 32, "attn_logit_softcapping": 10.0,
+        "final_logit_softcapping": 30.0},
+    "gemma3-window-qk-norm": {
+        "model_type": "gemma3_text", "hidden_size": 128, "head_dim": 48, "hidden_act": "gelu",
+        "tie_word_embeddings": True, "num_hidden_layers": 3, "sliding_window": 8,
+        "query_pre_attn_scalar": 32, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
 }
+# Cases with sliding layers, run on prompts several windows long.
+WINDOWED = [case for case, changes in CASES.items() if "sliding_window" in changes]
+
+
+def is_gemma(case: str) -> bool:
+    return CASES[case].get("model_type", "").startswith("gemma")
+
+
+def prompt_ids(case: str) -> torch.Tensor:
+    """3 prompts of 11 tokens, or of 33 (over four windows) for a case with sliding layers."""
+    length = 33 if case in WINDOWED else 11
+    return torch.randint(0, 1000, (3, length), generator=torch.Generator().manual_seed(1))
 
 
 def config_file(tmp_path, **changes):
@@ -209,9 +235,16 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def kit_and_reference_logits(folder, ids):
+def reference_model(folder, dtype):
+    """transformers' model of the folder, its attention written out ("eager"), as the kit's
+    capped scores are."""
     transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                             attn_implementation="eager")
+
+
+def kit_and_reference_logits(folder, ids):
+    reference = reference_model(folder, torch.float32)
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
     model = kit_model(folder)
@@ -220,10 +253,11 @@ def kit_and_reference_logits(folder, ids):
 
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_logits_match_transformers(tmp_path, case):
-    """Prefill of 3 prompts of 11 tokens; float32 within 1e-4 of the largest logit."""
+    """Prefill of 3 prompts of 11 tokens (33 past a window); float32 within 1e-4 of the
+    largest logit."""
     folder = checkpoint(tmp_path, **CASES[case])
-    spread(folder, gemma=CASES[case].get("model_type") == "gemma")
-    ids = torch.randint(0, 1000, (3, 11), generator=torch.Generator().manual_seed(1))
+    spread(folder, gemma=is_gemma(case))
+    ids = prompt_ids(case)
     got, expected = kit_and_reference_logits(folder, ids)
     error = relative_error(got, expected)
     print(f"{case}: max |kit - transformers| / max |logit| = {error:.2e}")
@@ -242,13 +276,13 @@ def test_the_parity_test_notices_one_wrong_weight(tmp_path):
     assert relative_error(got, expected) > 10 * kit.config.TOLERANCE["float32"]
 
 
-def kit_paged_decode(folder, lengths, steps, strategy):
+def kit_paged_decode(folder, lengths, steps, strategy, dtype="float32"):
     """The kit's paged decode of prompts of `lengths` (block size 4, so prompts end inside
     blocks and steps cross block edges) through `strategy`'s runner of the step; -> the
     prompts and the run (every step's logits and tokens)."""
-    model = kit_model(folder)
-    spec = KVCacheSpec.for_model(model.arch, 4, "float32")
-    cache = allocate(spec, blocks_needed(lengths, steps, 4), "float32", "cpu")
+    model = kit_model(folder, dtype)
+    spec = KVCacheSpec.for_model(model.arch, 4, dtype)
+    cache = allocate(spec, blocks_needed(lengths, steps, 4), dtype, "cpu")
     prompts, batch = make_prompts(lengths, model.arch.vocab_size, 3), new_batch(cache, lengths,
                                                                                 steps)
     if strategy == "eager_summed":  # eagerly, the attention summed as compiled code sums it
@@ -261,28 +295,45 @@ def kit_paged_decode(folder, lengths, steps, strategy):
     return prompts, run
 
 
-@pytest.mark.parametrize("case,strategy", [
-    *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
-    pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
-def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
-    """Every decode step's logits (prefill included) against transformers' forward over the
-    prompt and the tokens fed back, float32 within 1e-4 of the largest logit: the eager step
-    (attention as two matmuls) and a compiled one (attention as summed products)."""
-    transformers = pytest.importorskip("transformers")
-    folder = checkpoint(tmp_path, **CASES[case])
-    spread(folder, gemma=CASES[case].get("model_type") == "gemma")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    lengths, steps = [5, 8, 11], 6
-    prompts, run = kit_paged_decode(folder, lengths, steps, strategy)
+def decode_error(folder, case, strategy, dtype="float32") -> float:
+    """The largest error of the kit's paged decode (every step, prefill included) against
+    transformers' forward over each prompt and the tokens fed back, in `dtype`, relative to
+    the largest logit. Prompts of 5, 8 and 11 tokens; 5, 30 and 37 (past several windows) for a
+    case with sliding layers."""
+    reference = reference_model(folder, getattr(torch, dtype))
+    lengths, steps = [5, 30, 37] if case in WINDOWED else [5, 8, 11], 6
+    prompts, run = kit_paged_decode(folder, lengths, steps, strategy, dtype)
     worst = 0.0
     for i, prompt in enumerate(prompts):
         ids = torch.cat([prompt, run.tokens[i, :steps]])[None]
         with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
         worst = max(worst, relative_error(run.logits[:, i].float(), expected))
-    print(f"{case} {strategy}: {steps} steps, max |kit - transformers| / max |logit| = "
-          f"{worst:.2e}")
+    print(f"{case} {strategy} {dtype}: {steps} steps, max |kit - transformers| / max |logit| "
+          f"= {worst:.2e}")
+    return worst
+
+
+@pytest.mark.parametrize("case,strategy", [
+    *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
+    ("gemma2-window-softcap", "eager_summed"),
+    pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
+def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
+    """Every decode step's logits (prefill included) against transformers', float32 within
+    1e-4 of the largest logit: the eager step (attention as two matmuls) and a compiled one
+    (attention as summed products)."""
+    folder = checkpoint(tmp_path, **CASES[case])
+    spread(folder, gemma=is_gemma(case))
+    worst = decode_error(folder, case, strategy)
     assert worst <= kit.config.TOLERANCE["float32"], (case, strategy, worst)
+
+
+@pytest.mark.parametrize("case", WINDOWED + ["qwen3-qk-norm"])
+def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path, case):
+    """The new families' paged decode in bfloat16 against transformers in bfloat16, on the
+    checkpoint as written: within the kit's bf16 tolerance of the largest logit."""
+    worst = decode_error(checkpoint(tmp_path, **CASES[case]), case, "eager", "bfloat16")
+    assert worst <= kit.config.TOLERANCE["bfloat16"], (case, worst)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -291,13 +342,11 @@ def test_bfloat16_prefill_logits_within_the_kits_tolerance(tmp_path, case):
     weights the chapters run): within the kit's bf16 tolerance of the largest logit; and the
     kit's bf16 rounding no worse than transformers' own, both against float32 (seen: 3-7e-3
     for both; with `spread`'s sharper weights both reach 4-7e-2)."""
-    transformers = pytest.importorskip("transformers")
     folder = checkpoint(tmp_path, **CASES[case])
-    ids = torch.randint(0, 1000, (3, 11), generator=torch.Generator().manual_seed(1))
+    ids = prompt_ids(case)
     with torch.no_grad():
-        exact, rounded = (transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-                          (input_ids=ids).logits.float() for dtype in (torch.float32,
-                                                                      torch.bfloat16))
+        exact, rounded = (reference_model(folder, dtype)(input_ids=ids).logits.float()
+                          for dtype in (torch.float32, torch.bfloat16))
         model = kit_model(folder, "bfloat16")
         got = model.compute_logits(model(ids)).float()
     print(f"{case} bf16: kit vs transformers {relative_error(got, rounded):.2e}; against "
@@ -346,3 +395,24 @@ def test_a_token_comparison_vllm_could_not_run_is_recorded_not_raised():
     assert not failed.ok and failed.agreement == 0.0 and texts(failed) is None
     assert failed.summary()["error"].startswith("ValueError")
     assert "float32 not supported" in repr(token_table({"float32": failed}))
+
+
+@pytest.mark.parametrize("family,changes", [
+    ("gemma2", {"sliding_window": 8}), ("gemma3_text", {"sliding_window": 8}),
+    ("mistral", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}), ("gemma", {})])
+def test_transformers_reads_the_written_config_as_the_kit_does(family, changes):
+    """Where a family's config class has defaults of its own (Gemma 2's caps, 256 for
+    query_pre_attn_scalar, Mistral's window of 4096, Gemma 3's local RoPE base), the config
+    the kit writes still describes the kit's model: unset keys are written as null."""
+    transformers = pytest.importorskip("transformers")
+    arch = ModelConfig.from_dict({**SMALL, "model_type": family, **changes}, family)
+    hf = transformers.AutoConfig.for_model(**arch.hf_dict())
+    rope = hf.rope_parameters.get("sliding_attention", hf.rope_parameters)["rope_theta"]
+    assert (getattr(hf, "hidden_activation", None) or hf.hidden_act) == arch.hidden_act
+    assert (getattr(hf, "query_pre_attn_scalar", None) or hf.head_dim) ** -0.5 == \
+        arch.attention_scale
+    assert getattr(hf, "attn_logit_softcapping", None) == arch.attn_logit_softcapping
+    assert getattr(hf, "final_logit_softcapping", None) == arch.final_logit_softcapping
+    assert getattr(hf, "sliding_window", None) == arch.sliding_window
+    assert list(getattr(hf, "layer_types", None) or arch.layer_types) == list(arch.layer_types)
+    assert rope == arch.layer_rope_theta(0)

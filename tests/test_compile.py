@@ -130,3 +130,24 @@ def test_bench_command_prints_the_table_as_json(capsys):
     for r in (p3, p4):
         assert r["num_blocks"] == (left - r["peak_activation_bytes"]) // bpb
     assert set(PLAN_NAMES) >= {r["name"] for r in table["plans"]}
+
+
+def test_a_sliding_family_compiles_to_the_eager_outputs():
+    """Gemma 3's parts (sliding and full layers, QK-norm, two RoPE bases, sandwich norms) at a
+    small shape, prompts of 12 tokens past a window of 5: one guard-free graph over batch
+    sizes, as eager computes it."""
+    from kit.config import ModelConfig
+    arch = ModelConfig.from_dict({
+        "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 16, "vocab_size": 101, "sliding_window": 5, "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4, "layer_types": ["sliding_attention", "full_attention"]},
+        "small-gemma3")
+    small = build_model(arch, "float32", "cpu", seed=0)
+    prompts = {b: torch.randint(0, 101, (b, 12), generator=torch.Generator().manual_seed(b))
+               for b in (3, 2, 5)}
+    runner = make_runner(small.forward, "guard_free", "cpu", (prompts[3],))
+    for b, prompt in prompts.items():
+        torch.testing.assert_close(runner(prompt), small(prompt), atol=1e-4, rtol=1e-4)
+    assert runner.graphs_compiled == 1
+    runner.discard()

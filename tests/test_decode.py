@@ -28,7 +28,14 @@ def arch(heads, kv_heads, family="llama", **extra):
 
 
 ARCHS = {"gqa": arch(4, 2), "mqa": arch(4, 1), "mqa-gemma-tied": arch(
-    4, 1, "gemma", tie_word_embeddings=True, hidden_act="gelu"), "mha-qwen2-bias": arch(4, 4, "qwen2")}
+    4, 1, "gemma", tie_word_embeddings=True, hidden_act="gelu"), "mha-qwen2-bias": arch(4, 4, "qwen2"),
+    # windows of 5 and 6 (contexts reach 16): sliding, capped, sandwich-normed and QK-normed
+    "window-mistral": arch(4, 2, "mistral", sliding_window=5),
+    "window-gemma2-softcap": arch(4, 2, "gemma2", sliding_window=6, hidden_act="gelu",
+                                  attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "window-gemma3": arch(4, 1, "gemma3_text", sliding_window=5, hidden_act="gelu",
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_local_base_freq=10000.0, rope_theta=1e6)}
 BLOCK_SIZE = 4
 LENGTHS = [3, 4, 5, 9]  # ending before, on and after block edges
 STEPS = 7               # every sequence crosses at least one more block edge while decoding
@@ -207,12 +214,14 @@ def test_every_preset_lists_the_decode_settings(preset):
     assert values["strategies"] is None and values["num_iters"] >= 1
 
 
-def test_the_compiled_step_equals_the_reference_too():
-    """The compiled attention (products summed, fused with the gather) on a multi-query model,
-    across block edges, through a guard-free runner as chapter 04 times it."""
+@pytest.mark.parametrize("key", ["mqa", "window-gemma2-softcap"])
+def test_the_compiled_step_equals_the_reference_too(key):
+    """The compiled attention (products summed, fused with the gather) on a multi-query model
+    and on one with windows and capped scores, across block edges and past the window,
+    through a guard-free runner as chapter 04 times it."""
     from kit.engine.decode_runners import CPU_FREEZING
     from kit.engine.runners import make_runner
-    a = ARCHS["mqa"]
+    a = ARCHS[key]
     model, prompts, batch, _ = paged_run(a, "float32")
     with torch.no_grad():
         batch.start(model, prompts)

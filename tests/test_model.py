@@ -11,10 +11,12 @@ from kit.engine.model import build_model, dummy_batch, weights_bytes
 
 
 def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
+    # Gemma 2 and 3 always have sliding layers, which need a window
+    window = {"sliding_window": 8} if family in ("gemma2", "gemma3_text") else {}
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": 101, "max_position_embeddings": 256, **extra}, f"small-{family}")
+        "vocab_size": 101, "max_position_embeddings": 256, **window, **extra}, f"small-{family}")
 
 
 ARCHS = {
@@ -22,6 +24,9 @@ ARCHS = {
     "mqa-gemma": small("gemma", heads=4, kv_heads=1, head_dim=24, tie_word_embeddings=True,
                        hidden_act="gelu"),
     "mha-qwen2-bias": small("qwen2", heads=4, kv_heads=4, head_dim=16),
+    "window-mistral": small("mistral", sliding_window=3),
+    "window-softcap-gemma2": small("gemma2", sliding_window=3, query_pre_attn_scalar=8,
+                                   attn_logit_softcapping=2.0, hidden_act="gelu"),
 }
 
 
@@ -60,12 +65,18 @@ def test_same_seed_same_output_other_seed_other_output():
     assert torch.equal(a, b) and not torch.allclose(a, c)
 
 
-def reference_attention(q, k, v):
-    """Plain causal softmax attention for one sequence, KV heads repeated per query group."""
+def reference_attention(q, k, v, scale=None, window=None, cap=None):
+    """Plain causal softmax attention for one sequence, KV heads repeated per query group; with
+    `window`, each query sees itself and the window - 1 positions before it; `cap` soft-caps
+    the scaled scores."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("thd,shd->hts", q, k) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
     mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    if window:
+        mask = mask & ~torch.ones_like(mask).tril(-window)
     weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hts,shd->thd", weights, v)
 
@@ -81,7 +92,9 @@ def test_attention_matches_reference_and_keeps_sequences_apart(key):
     out = attn.attend(q, k, v, num_seqs=2)
     for s in range(2):
         part = slice(5 * s, 5 * s + 5)
-        torch.testing.assert_close(out[part], reference_attention(q[part], k[part], v[part]))
+        torch.testing.assert_close(out[part], reference_attention(
+            q[part], k[part], v[part], arch.attention_scale, arch.window(0),
+            arch.attn_logit_softcapping))
 
 
 def test_sequences_in_a_batch_do_not_see_each_other():

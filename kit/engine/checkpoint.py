@@ -4,7 +4,8 @@
 the model's dtype, Q/K/V and gate/up copied into the fused matrices); `write_checkpoint`
 writes a model's weights under Hugging Face's names, which transformers and vLLM load. Only
 safetensors are read, never pickles. Gemma's norms are stored as an offset from 1 both here
-and in transformers (`GemmaRMSNorm` multiplies by 1 + w), so they map one to one.
+and in transformers (`GemmaRMSNorm` multiplies by 1 + w), so they map one to one; so are
+Gemma 3's per-head `q_norm` and `k_norm` (Qwen3's hold the scale itself, as the kit's do).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def layout(arch: ModelConfig) -> dict[str, list[str]]:
             names[f"{kit}self_attn.qkv_proj.{kind}"] = [
                 f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
         names[f"{kit}self_attn.o_proj.weight"] = [f"{hf}self_attn.o_proj.weight"]
+        for norm in ("q_norm", "k_norm") if arch.parts.qk_norm else ():
+            names[f"{kit}self_attn.{norm}.weight"] = [f"{hf}self_attn.{norm}.weight"]
         names[f"{kit}mlp.gate_up_proj.weight"] = [f"{hf}mlp.gate_proj.weight",
                                                   f"{hf}mlp.up_proj.weight"]
         names[f"{kit}mlp.down_proj.weight"] = [f"{hf}mlp.down_proj.weight"]
@@ -54,7 +57,9 @@ def hf_shapes(arch: ModelConfig) -> dict[str, tuple[int, ...]]:
     for names in layout(arch).values():
         for name in names:
             module, kind = name.split(".")[-2:]
-            if "norm" in module:
+            if module in ("q_norm", "k_norm"):  # one scale per element of a head
+                shapes[name] = (arch.head_dim,)
+            elif "norm" in module:
                 shapes[name] = (h,)
             elif module in ("embed_tokens", "lm_head"):
                 shapes[name] = (vocab, h)

@@ -6,7 +6,8 @@
 and returns hidden states; `compute_logits` is applied to one position per sequence, as an
 engine's sampler does. `decode` runs one token per sequence over the paged KV cache (chapter
 04). `Decoder.multiply_in` sets the dtype compiled code multiplies the weights in
-(`kit.engine.layers.linear`).
+(`kit.engine.layers.linear`). Per layer, the attention's window and RoPE base follow the
+config (`ModelConfig.window`, `layer_rope_theta`); Gemma 2 caps the final logits.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.rotary import rope_cos_sin
+from kit.engine.layers.scores import soft_cap
 from kit.measure.device import torch_dtype
 
 
@@ -43,8 +45,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SandwichLayer(DecoderLayer):
+    """Gemma 2 and 3 ("sandwich" in `kit.config.LAYER_NORMS`): attention and the MLP each read
+    the residual stream through a norm, and their outputs are normed again before they are
+    added to it."""
+
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__(arch, layer_idx)
+        self.pre_feedforward_layernorm = make_norm(arch)
+        self.post_feedforward_layernorm = make_norm(arch)
+
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 # Where a layer's norms sit (`Parts.layer`) -> the layer that places them so.
-LAYERS = {"pre_norm": DecoderLayer}
+LAYERS = {"pre_norm": DecoderLayer, "sandwich": SandwichLayer}
 
 
 class Decoder(nn.Module):
@@ -64,8 +82,9 @@ class Decoder(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.parts.scale_embeddings:  # by sqrt(hidden_size), in the model dtype (Gemma)
-            x = x * self.arch.hidden_size ** 0.5
+        if self.parts.scale_embeddings:  # by sqrt(hidden_size) rounded to the model dtype, as
+            # transformers and vLLM round it (Gemma)
+            x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
         return x
 
     def forward(self, input_ids: torch.Tensor,
@@ -86,16 +105,28 @@ class Decoder(nn.Module):
 
     def run_layers(self, input_ids, positions, num_seqs: int, meta=None) -> torch.Tensor:
         """Flat tokens [tokens] at `positions` [tokens] through every layer and the final norm."""
-        cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta,
-                                self.arch.rope_scaling)
+        rope = self.rope_tables(positions)
         x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, num_seqs, meta)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *rope[self.rope_of(i)], num_seqs, meta)
         return self.norm(x)
+
+    def rope_of(self, layer: int) -> tuple:
+        """Layer `layer`'s RoPE: its base and Llama 3's scaling (on full layers only when the
+        sliding ones have their own base, as Gemma 3's local RoPE is unscaled)."""
+        own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
+        return self.arch.layer_rope_theta(layer), () if own_base else self.arch.rope_scaling
+
+    def rope_tables(self, positions: torch.Tensor) -> dict:
+        """cos and sin at `positions` for each distinct RoPE among the layers (one or two)."""
+        kinds = {self.rope_of(i) for i in range(len(self.layers))}
+        return {kind: rope_cos_sin(positions, self.arch.head_dim, *kind) for kind in kinds}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else soft_cap(logits, cap)
 
     def multiply_in(self, dtype: torch.dtype | None) -> None:
         """Compiled code runs every product with the weights in `dtype` (None: the weights'

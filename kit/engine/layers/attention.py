@@ -5,6 +5,9 @@ Attention is one method, `Attention.attend`. Without `AttentionMetadata` it is p
 attention within each sequence. With it, the layer first writes its keys and values into the
 paged cache at `slot_mapping`; a prefill then attends as before, a decode step reads every
 sequence's keys and values back through its block table (`block_tables`, `context_lens`).
+Each layer holds its own scale, window and soft cap (`kit.engine.layers.scores`) as plain
+numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's query and key
+(`q_norm`, `k_norm`) before RoPE.
 """
 from __future__ import annotations
 
@@ -12,12 +15,13 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
+from kit.engine.layers.norm import NORMS
 from kit.engine.layers.rotary import apply_rope
+from kit.engine.layers.scores import prefill_attention, soft_cap
 
 
 class AttentionMetadata(NamedTuple):
@@ -105,21 +109,24 @@ def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           max_context_len: int | None = None):
+                           max_context_len: int | None = None, scale: float | None = None,
+                           window: int | None = None, softcap: float | None = None):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
 
     Keys and values are gathered through the block table, the first `max_context_len`
     positions of each sequence's table (all of them by default): every shape depends only on
     the batch, never on the contexts' lengths, so one compiled graph (or one CUDA graph) serves
     every step. Positions past a sequence's context (the padding of its last block, or of its
-    table) are masked out; the softmax runs in float32.
+    table) are masked out, and with `window` those older than the last `window` positions; the
+    scores are scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax
+    runs in float32.
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
     length, group = max_context_len or width * block_size, q.shape[1] // kv_heads
     k = layer_cache[0][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
     v = layer_cache[1][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
-    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    visible = visible_context(length, context_lens, window)
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
     # which Inductor turns into one kernel that gathers through the table as it goes (faster
@@ -131,13 +138,27 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     else:  # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
         scores = torch.matmul(q.view(num_seqs, kv_heads, group, head_dim),
                               k.permute(0, 2, 3, 1)).float()
+    scores = scores * (scale or head_dim ** -0.5)
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
-    weights = (scores * head_dim ** -0.5).softmax(-1)
+    weights = scores.softmax(-1)
     if summed:
         out = weighted_values(weights, v)
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
     return out.to(q.dtype).reshape(q.shape)
+
+
+def visible_context(length: int, context_lens: torch.Tensor,
+                    window: int | None = None) -> torch.Tensor:
+    """[seqs, length]: True for the cache positions a decode step's query (at context_lens - 1)
+    sees: those of its context, and with `window` only its last `window`."""
+    pos = torch.arange(length, device=context_lens.device)[None, :]
+    visible = pos < context_lens[:, None]
+    if window is not None:
+        visible = visible & (pos >= context_lens[:, None] - window)
+    return visible
 
 
 class Attention(nn.Module):
@@ -146,36 +167,47 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx  # which slice of the KV cache is this layer's
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
+        # per layer, plain numbers: compiled code sees constants
+        self.scale, self.window = arch.attention_scale, arch.window(layer_idx)
+        self.softcap = arch.attn_logit_softcapping
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
         # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
         # layer instead of three, which streams the weights faster at a decode batch.
         self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
         self.o_proj = Linear(q, arch.hidden_size, bias=False)
+        self.qk_norm = arch.parts.qk_norm
+        if self.qk_norm:  # each head's query and key normed over head_dim, before RoPE
+            self.q_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
+            self.k_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
-        """Causal attention within each of `num_seqs` equal-length sequences; with `meta`, the
-        keys and values are also written to the paged cache, and a decode step (one token per
-        sequence, `meta.block_tables` given) reads its whole context back from there."""
+        """Causal attention within each of `num_seqs` equal-length sequences, over the layer's
+        window if it has one; with `meta`, the keys and values are also written to the paged
+        cache, and a decode step (one token per sequence, `meta.block_tables` given) reads its
+        context back from there."""
         if meta is not None:
             write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
             if meta.block_tables is not None:
                 return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
                                               meta.block_tables, meta.context_lens,
-                                              meta.max_context_len)
+                                              meta.max_context_len, self.scale, self.window,
+                                              self.softcap)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            per_seq(q), per_seq(k), per_seq(v), is_causal=True,
-            enable_gqa=self.num_heads != self.num_kv_heads)
+        out = prefill_attention(per_seq(q), per_seq(k), per_seq(v), self.scale, self.window,
+                                self.softcap)
         return out.transpose(1, 2).reshape(q.shape)
