@@ -71,6 +71,36 @@ FAMILIES = {
                          scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
                          tie_word_embeddings=True),
 }
+# What each family's transformers config class assumes for a key config.json leaves out, where
+# that differs from the kit's plain reading (vLLM reads configs through those classes too):
+# a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
+# slides over 4,096 tokens.
+CONFIG_DEFAULTS = {
+    "gemma": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+              "max_position_embeddings": 8192},
+    "gemma2": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3_text": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096},
+    "mistral": {"sliding_window": 4096, "max_position_embeddings": 131_072},
+    "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28,
+              "max_position_embeddings": 32_768},
+}
+# Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
+GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+
+
+def with_family_defaults(hf: dict, family: str) -> dict:
+    """`hf` with its family's transformers defaults for the keys it leaves out."""
+    defaults = dict(CONFIG_DEFAULTS.get(family, {}))
+    if family == "gemma3_text" and "rope_parameters" not in hf:
+        defaults.update(GEMMA3_ROPE)
+    return {**defaults, **hf}
+
+
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
@@ -157,6 +187,7 @@ class ModelConfig:
         family = hf.get("model_type")
         check_family(family, name)
         check_keys(hf, name)
+        hf = with_family_defaults(hf, family)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "vocab_size") if k not in hf]
         if missing:

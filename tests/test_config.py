@@ -167,3 +167,29 @@ def test_vllm_model_folders_have_a_stable_path_per_config(tmp_path):
     assert cached_model_folder(tiny).name.startswith("tiny-")
     written = write_model_folder(tiny, tmp_path / "tiny")  # an explicit folder is kept
     assert written == tmp_path / "tiny" and (written / "config.json").is_file()
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text", "mistral", "qwen3", "llama"])
+def test_keys_left_out_read_as_transformers_reads_them(family):
+    """A config.json that leaves keys out means what its family's transformers config class
+    assumes (vLLM reads it through that class too): caps, scalar, window, head_dim, RoPE."""
+    from transformers import AutoConfig
+    hf = {"model_type": family, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 101}
+    kit_cfg = ModelConfig.from_dict(hf, "bare")
+    ref = AutoConfig.for_model(**hf)
+    assert kit_cfg.head_dim == (getattr(ref, "head_dim", None) or 64 // 4)
+    assert kit_cfg.max_position_embeddings == ref.max_position_embeddings
+    assert kit_cfg.hidden_act == (getattr(ref, "hidden_activation", None) or ref.hidden_act)
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert getattr(kit_cfg, key) == getattr(ref, key, None), key
+    kinds = getattr(ref, "layer_types", None) or ["full_attention"] * 6
+    if family == "mistral":  # MistralConfig slides every layer when sliding_window is set
+        kinds = ["sliding_attention" if ref.sliding_window else "full_attention"] * 6
+    assert [kit_cfg.window(i) for i in range(6)] == \
+        [ref.sliding_window if k == "sliding_attention" else None for k in kinds]
+    if family == "gemma3_text":
+        params = ref.rope_parameters
+        assert (kit_cfg.layer_rope_theta(0), kit_cfg.layer_rope_theta(5)) == (
+            params["sliding_attention"]["rope_theta"], params["full_attention"]["rope_theta"])
