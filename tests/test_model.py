@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kit.config import FAMILIES, ModelConfig
 from kit.engine.checkpoint import layout
+from kit.engine.layers.attention import paged_decode_attention, window_blocks
 from kit.engine.layers.rotary import apply_rope, rope_cos_sin
 from kit.engine.model import build_model, dummy_batch, weights_bytes
 
@@ -143,3 +144,24 @@ def test_gelu_is_exact_and_gelu_pytorch_tanh_approximate(act, approximate):
     other = mlp.down_proj(F.gelu(gate, approximate={"none": "tanh"}.get(approximate, "none")) * up)
     assert torch.allclose(mlp(x), expected, rtol=0, atol=1e-6)
     assert not torch.allclose(mlp(x), other, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,block_size", [(8, 4), (10, 4), (5, 8), (16, 16)])
+def test_a_sliding_layer_reads_only_its_windows_blocks(window, block_size):
+    """The decode attention of a sliding layer gathers a fixed number of blocks (those that can
+    hold the window) and gives what masking the whole context gives."""
+    torch.manual_seed(0)
+    seqs, width, kv_heads, heads, dim = 4, 12, 2, 4, 8
+    cache = torch.randn(2, seqs * width, block_size, kv_heads, dim)
+    tables = torch.randperm(seqs * width).view(seqs, width)
+    lens = torch.tensor([3, window, window + 5, width * block_size])
+    q = torch.randn(seqs, heads, dim)
+    got = paged_decode_attention(q, cache, tables, lens, window=window)
+    assert window_blocks(window, block_size, width) * block_size < width * block_size
+    k = cache[0][tables].view(seqs, -1, kv_heads, dim).repeat_interleave(2, dim=2)
+    v = cache[1][tables].view(seqs, -1, kv_heads, dim).repeat_interleave(2, dim=2)
+    pos = torch.arange(width * block_size)[None, :]
+    seen = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+    scores = torch.einsum("shd,slhd->shl", q, k) * dim ** -0.5
+    weights = scores.masked_fill(~seen[:, None], float("-inf")).softmax(-1)
+    torch.testing.assert_close(got, torch.einsum("shl,slhd->shd", weights, v))

@@ -117,16 +117,25 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     positions of each sequence's table (all of them by default): every shape depends only on
     the batch, never on the contexts' lengths, so one compiled graph (or one CUDA graph) serves
     every step. Positions past a sequence's context (the padding of its last block, or of its
-    table) are masked out, and with `window` those older than the last `window` positions; the
-    scores are scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax
-    runs in float32.
+    table) are masked out. With `window`, only the blocks holding the last `window` positions
+    are read (`window_tables`: a fixed number, so a sliding layer's step stops growing once the
+    context passes its window), and older positions among them are masked. The scores are
+    scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax runs in
+    float32.
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
     length, group = max_context_len or width * block_size, q.shape[1] // kv_heads
-    k = layer_cache[0][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
-    v = layer_cache[1][block_tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
-    visible = visible_context(length, context_lens, window)
+    tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
+    blocks = window_blocks(window, block_size, width)
+    if blocks * block_size < length:  # a window narrower than the context: read only it
+        tables, pos = window_tables(block_tables, context_lens, window, blocks, block_size)
+        length = pos.shape[1]
+    k = layer_cache[0][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    v = layer_cache[1][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    visible = pos[:, :length] < context_lens[:, None]
+    if window is not None:
+        visible = visible & (pos[:, :length] >= context_lens[:, None] - window)
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
     # which Inductor turns into one kernel that gathers through the table as it goes (faster
@@ -150,15 +159,26 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     return out.to(q.dtype).reshape(q.shape)
 
 
-def visible_context(length: int, context_lens: torch.Tensor,
-                    window: int | None = None) -> torch.Tensor:
-    """[seqs, length]: True for the cache positions a decode step's query (at context_lens - 1)
-    sees: those of its context, and with `window` only its last `window`."""
-    pos = torch.arange(length, device=context_lens.device)[None, :]
-    visible = pos < context_lens[:, None]
-    if window is not None:
-        visible = visible & (pos >= context_lens[:, None] - window)
-    return visible
+def window_blocks(window: int | None, block_size: int, width: int) -> int:
+    """Blocks that can hold a window's last `window` positions (it may start mid-block): the
+    table's whole width for full attention."""
+    if window is None:
+        return width
+    return min(width, (window + block_size - 2) // block_size + 1)
+
+
+def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
+                  blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `blocks` table entries per sequence that hold its window (from the block holding
+    position context_len - window, kept within the table), and the positions [seqs, blocks ×
+    block_size] they hold. A fixed number of blocks: a sliding layer's step reads the same
+    bytes at any context."""
+    width = block_tables.shape[1]
+    first = ((context_lens - window).clamp(min=0) // block_size).clamp(max=width - blocks)
+    entries = first[:, None] + torch.arange(blocks, device=block_tables.device)[None, :]
+    offsets = torch.arange(block_size, device=block_tables.device)
+    pos = (entries[:, :, None] * block_size + offsets).reshape(len(entries), -1)
+    return block_tables.gather(1, entries), pos
 
 
 class Attention(nn.Module):
