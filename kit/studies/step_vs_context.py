@@ -4,8 +4,8 @@ window the windowed model's step stops growing.
 
 The run's model and the same shape with the other kind of attention (every layer sliding over
 `window` tokens when the model has none; every layer full when it has windows) each decode
-eagerly from prompts of every length, the variants and lengths taking turns repeat by repeat,
-each step timed, beside the bandwidth floor of that step (`decode_step_cost`).
+eagerly from prompts of every length, the variants taking turns round by round, each step
+timed, beside the bandwidth floor of a step at that context (`decode_step_cost`).
 """
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings
-from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
+from kit.engine.decode import blocks_needed, make_prompts, new_batch, step_function
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.kv_groups import layer_windows, with_layer_pattern
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
+from kit.measure.timing import StepClock
 
-STEPS = 4  # decode steps timed per run
+STEPS = 4  # decode steps timed per round
 
 
 @dataclass
@@ -53,47 +54,63 @@ def variants(arch, window: int) -> dict[str, object]:
             f"every layer sliding over {window:,} tokens": with_layer_pattern(arch, None, window)}
 
 
-def context_lengths(settings: Settings, count: int = 5) -> list[int]:
+def context_lengths(settings: Settings, steps: int, count: int = 5) -> list[int]:
     """Prompt lengths doubling up to the longest the settings allow (max_model_len less the
-    steps), `count` of them at most."""
-    top = settings.max_model_len - STEPS - 1
+    `steps` that follow), `count` of them at most."""
+    top = settings.max_model_len - steps
     return sorted({max(8, top >> k) for k in range(count)})
 
 
-@torch.no_grad()
-def time_run(model, arch, settings: Settings, length: int) -> list[float]:
-    """Step seconds of one eager run: `batch_size` prompts of `length` tokens, STEPS steps."""
-    lengths = [length] * settings.batch_size
-    spec = KVCacheSpec.for_model(arch, settings.block_size, settings.dtype)
-    cache = allocate(spec, blocks_needed(lengths, STEPS, settings.block_size), settings.dtype,
-                     settings.device)
-    prompts = make_prompts(lengths, arch.vocab_size, settings.seed)
-    run = generate(model, new_batch(cache, lengths, STEPS), prompts, STEPS, keep_logits=False)
-    return run.step_seconds
+class PrefilledRun:
+    """One variant's batch at one length: `batch_size` prompts of `length` tokens prefilled
+    once, then decode steps timed a few at a time (the context grows a token a step)."""
+
+    def __init__(self, model, arch, settings: Settings, length: int, steps: int):
+        lengths = [length] * settings.batch_size
+        spec = KVCacheSpec.for_model(arch, settings.block_size, settings.dtype)
+        cache = allocate(spec, blocks_needed(lengths, steps, settings.block_size),
+                         settings.dtype, settings.device)
+        self.batch, self.device = new_batch(cache, lengths, steps), settings.device
+        self.batch.start(model, make_prompts(lengths, arch.vocab_size, settings.seed))
+        self.step = step_function(model, self.batch.max_context_len)
+
+    @torch.no_grad()
+    def time_steps(self, count: int) -> list[float]:
+        clock = StepClock(self.device)
+        for _ in range(count):
+            clock.start()
+            self.batch.step(self.step)
+            clock.stop()
+        return clock.seconds()
 
 
 def step_time_by_context(settings: Settings, window: int | None = None, repeats: int = 3,
                          progress=None) -> list[ContextCurve]:
-    """Every variant timed at every length (`context_lengths`), `repeats` interleaved runs."""
-    lengths = context_lengths(settings)
+    """Every variant timed at every length (`context_lengths`): at each length the variants
+    are prefilled once, then take turns for `repeats` rounds of STEPS steps (one more round
+    first, not kept, warms up)."""
+    lengths = context_lengths(settings, STEPS * (repeats + 1))
     window = window or max(16, lengths[-1] // 8)
     archs = variants(settings.arch, window)
     models = {k: build_model(a, settings.dtype, settings.device, settings.seed)
               for k, a in archs.items()}
     curves = [ContextCurve(k, layer_windows(a), lengths) for k, a in archs.items()]
-    for r in range(repeats + 1):  # the first round warms up and is not kept
-        for n in lengths:
+    for n in lengths:
+        runs = {c.label: PrefilledRun(models[c.label], archs[c.label], settings, n,
+                                      STEPS * (repeats + 1)) for c in curves}
+        for r in range(repeats + 1):
             for curve in curves:
-                seconds = time_run(models[curve.label], archs[curve.label], settings, n)
+                seconds = runs[curve.label].time_steps(STEPS)
                 if r:
                     curve.steps.setdefault(n, []).extend(seconds)
         if progress:
-            progress(f"round {r} of {repeats} done" + (" (warm-up)" if not r else ""))
+            progress(f"context {n:,}: " + ", ".join(
+                f"{c.label} {statistics.median(c.steps[n]) * 1e3:.2f} ms" for c in curves))
     bandwidth = copy_bandwidth(settings.device, 0.5).rate
     for curve in curves:
         kv = KVCacheSpec.for_model(archs[curve.label], settings.block_size, settings.dtype)
         curve.floors = [decode_step_cost(archs[curve.label], settings.dtype_bytes,
-                                         kv.bytes_per_token, [n + STEPS // 2 + 1] * settings.batch_size,
+                                         kv.bytes_per_token, [n + STEPS] * settings.batch_size,
                                          curve.windows).floor_seconds(bandwidth)
                         for n in lengths]
     return curves
