@@ -22,8 +22,9 @@ LAYER_PATTERNS = {"the model's own": 0, "all full attention": 1, "all sliding": 
 
 def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
     """`batch_size` requests of mixed prompt lengths up to `input_len` (7 tokens apart) get
-    their blocks, then each generates `output_len` tokens: the allocator as it ends."""
-    allocator = BlockAllocator(num_blocks, settings.block_size)
+    their blocks, then each generates `output_len` tokens: the allocator as it ends. Blocks of
+    the size vLLM sizes the cache with (`KVCacheSpec.from_settings`)."""
+    allocator = BlockAllocator(num_blocks, KVCacheSpec.from_settings(settings).block_size)
     prompt_lens = [max(1, settings.input_len - 7 * i) for i in range(settings.batch_size)]
     for seq, n in enumerate(prompt_lens):
         allocator.allocate(seq, n)
@@ -35,8 +36,10 @@ def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
 
 def requests_that_fit(num_blocks: int, settings: Settings) -> int:
     """How many requests of `max_model_len` tokens the block allocator hands blocks to before it
-    runs out: the concurrency vLLM's start-up line states, counted instead of divided."""
-    allocator, held = BlockAllocator(num_blocks, settings.block_size), 0
+    runs out: the concurrency vLLM's start-up line states, counted instead of divided (for
+    layers that all attend fully; a window's reservation is chapter 02's groups section)."""
+    allocator = BlockAllocator(num_blocks, KVCacheSpec.from_settings(settings).block_size)
+    held = 0
     try:
         while True:
             allocator.allocate(held, settings.max_model_len)
