@@ -249,7 +249,7 @@ def test_report_pages_draw_every_figure_offline(browser, cpu_small_run, not_read
               len(list(not_ready_run[2].glob("figures/*.json")))),
              (compare, "compare.png", ".kit-figure", len(list(folder.glob("figures/*.json")))
               + len(list(not_ready_run[2].glob("figures/*.json")))),
-             (folder / "02_kv_cache.html", "notebook-02.png", ".plotly-graph-div", 2)]
+             (folder / "02_kv_cache.html", "notebook-02.png", ".plotly-graph-div", 4)]
     for path, shot, selector, expected in pages:
         w = open_offline(browser, path, artifact, shot)
         try:
