@@ -282,3 +282,55 @@ def test_sweep_page_draws_every_figure_offline(browser, chapter02_sweep, artifac
         assert not w.errors and not w.refused, (w.errors, w.refused)
     finally:
         w.close()
+
+
+def test_kit_lab_refuses_a_port_in_use_before_starting(capsys):
+    from kit.cli.main import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["lab", "--no-browser", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert main(["lab", "--port", "70000"]) == 2
+
+
+def test_kit_lab_prints_an_address_that_serves_the_chapters(tmp_path):
+    """`python -m kit lab`: the printed address (token included) opens JupyterLab on the
+    chapters, as root too, with JupyterLab's news pop-up switched off."""
+    port = free_port()
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
+    env.pop("JUPYTER_TOKEN", None)
+    server = subprocess.Popen([sys.executable, "-m", "kit", "lab", "--no-browser", "--port",
+                               str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = [server.stdout.readline() for _ in range(2)]
+        url = lines[1].strip()
+        assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/lab\?token=[0-9a-f]{{48}}", url), lines
+        token = url.split("token=")[1]
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, \
+                    server.stdout.read() if server.poll() is not None else "no answer in 90 s"
+                time.sleep(0.5)
+        api = f"http://127.0.0.1:{port}/api/contents?token={token}"
+        names = {c["name"] for c in json.load(urllib.request.urlopen(api))["content"]}
+        assert {p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")} <= names
+        news = json.load(urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
+            f"?token={token}"))
+        defaults = news["schema"]["properties"]  # the environment's overrides change these
+        assert defaults["fetchNews"]["default"] == "false"
+        assert defaults["checkForUpdates"]["default"] is False
+        with pytest.raises(urllib.error.HTTPError):  # and nothing without the token
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents")
+    finally:
+        server.terminate()
+        server.wait(30)
