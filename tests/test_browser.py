@@ -150,6 +150,17 @@ def drag(page, handle, dx: float):
     page.mouse.up()
 
 
+# The num_blocks cell of chapter 02's sizing table (the table with a "KV budget" column).
+SIZING_TABLE_BLOCKS = """() => {
+  for (const t of document.querySelectorAll('.jp-OutputArea table')) {
+    const heads = [...t.querySelectorAll('th')].map(h => h.textContent.trim());
+    const i = heads.indexOf('num_blocks');
+    if (i >= 0 && heads.includes('KV budget')) return t.querySelectorAll('tbody tr td')[i].textContent;
+  }
+  return null;
+}"""
+
+
 def test_calculator_in_jupyterlab(browser, lab, artifact):
     """Run chapter 02 in JupyterLab, move the calculator's controls: numbers and figure follow."""
     failure_shot = artifact("jupyterlab-02-failure.png")
@@ -181,6 +192,13 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
         start = numbers.inner_text()
         title, kv = drawn()
         assert title.startswith(f"{blocks(start):,} blocks")
+        # it opens at the notebook's own settings: the blocks of the sizing table above it
+        table_blocks = page.evaluate(SIZING_TABLE_BLOCKS)
+        assert table_blocks and blocks(start) == int(table_blocks.replace(",", "")), \
+            (start, table_blocks)
+        memory = calculator.locator(".widget-slider").filter(has_text="device_memory_gib")
+        assert float(memory.locator(".widget-readout").inner_text()) == pytest.approx(
+            96 / 1024, rel=1e-2)  # the preset's 96 MiB, within the slider's range
 
         # drag gpu_memory_utilization to the left: less memory for the cache
         slider = calculator.locator(".widget-slider").filter(has_text="gpu_memory_utilization")
@@ -206,6 +224,15 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
         page.wait_for_function(
             "([box, text]) => (box.querySelector('.js-plotly-plot .gtitle') || {}).textContent"
             "?.startsWith(text)", arg=[calculator.element_handle(), f"{blocks(fp8):,} blocks"],
+            timeout=30_000)
+        # and back: the numbers and the figure of before
+        calculator.locator(".widget-dropdown").filter(has_text="kv_cache_dtype") \
+            .locator("select").select_option("auto")
+        page.wait_for_function("([el, before]) => el.innerText === before",
+                               arg=[numbers.element_handle(), moved], timeout=30_000)
+        page.wait_for_function(
+            "([box, text]) => (box.querySelector('.js-plotly-plot .gtitle') || {}).textContent"
+            "?.startsWith(text)", arg=[calculator.element_handle(), f"{blocks(moved):,} blocks"],
             timeout=30_000)
 
         calculator.scroll_into_view_if_needed()

@@ -74,3 +74,20 @@ def test_outputs_of_compiled_profile_model_match_eager():
         torch.testing.assert_close(torch.compile(model.forward)(ids), model(ids),
                                    atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
+
+
+def test_the_profiler_says_nothing_on_stderr():
+    """torch.profiler prints `USDT: ... profiler_start/stop` on file descriptor 2 (JupyterLab
+    shows it as an error); `profiled` keeps those quiet and what the code prints in between."""
+    import subprocess
+    import sys
+    code = ("import os, torch\n"
+            "from kit.measure.profiler import profiled\n"
+            "with profiled('cpu') as prof:\n"
+            "    torch.ones(8).sum()\n"
+            "    os.write(2, b'inside\\n')\n"
+            "os.write(2, b'after\\n')\n"
+            "assert prof.key_averages()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "inside\nafter\n"

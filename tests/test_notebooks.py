@@ -21,6 +21,18 @@ def test_chapter_runs_headless_and_its_checks_pass(cpu_small_run, chapter):
     assert (folder / f"{chapter}.ipynb").is_file()
 
 
+def test_no_cell_prints_to_stderr(cpu_small_run):
+    """What a learner sees in JupyterLab: no cell has a stderr output (Lab draws each as an
+    error-coloured box), neither C-level chatter such as the profiler's `USDT:` lines nor a
+    library's warnings."""
+    _, _, folder = cpu_small_run
+    found = [(chapter, i, "".join(o["text"])[:200])
+             for chapter in CHAPTERS
+             for i, cell in enumerate(nbformat.read(folder / f"{chapter}.ipynb", 4).cells)
+             for o in cell.get("outputs", []) if o.get("name") == "stderr"]
+    assert not found, found
+
+
 def test_whole_run_succeeds(cpu_small_run):
     code, summary, _ = cpu_small_run
     assert code == 0 and summary["versions"]["torch"] and summary["machine"]["device"] == "cpu"

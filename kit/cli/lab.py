@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -89,11 +88,6 @@ def lab(args) -> int:
     if args.ip in LOCAL:
         print(f"From another machine: ssh -L {args.port}:localhost:{args.port} <this machine>, "
               f"then open the first address there (or start with --ip 0.0.0.0).")
-    print("Start with 00_setup_check (Run → Run All Cells). Ctrl-C stops JupyterLab.", flush=True)
-    server = subprocess.Popen(lab_command(args.ip, args.port, token, not args.no_browser))
-    try:
-        return server.wait()
-    except KeyboardInterrupt:
-        server.terminate()
-        server.wait(30)
-        return 0
+    print("Start with 00_setup_check (Run → Run All Cells). Ctrl-C twice stops JupyterLab.", flush=True)
+    # JupyterLab takes this process's place: Ctrl-C and signals reach it directly
+    os.execv(sys.executable, lab_command(args.ip, args.port, token, not args.no_browser))

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from kit.measure.device import synchronize
+from kit.measure.profiler import profiled
 from kit.units import MiB
 
 
@@ -40,8 +40,7 @@ def measure_allocations(fn, device: str, timeline: bool = True) -> Allocations:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    profiler = profile(activities=activities, profile_memory=True) \
+    profiler = profiled(device, profile_memory=True) \
         if timeline or not cuda else contextlib.nullcontext()
     with profiler as prof:
         t0 = time.perf_counter_ns()

@@ -102,10 +102,9 @@ def break_down_steps(step, steps: int, device: str, strategy: str,
                      gemm_weight_bytes: int) -> StepBreakdown:
     """`steps` calls of `step()` (one decode step each) under torch.profiler, split into parts;
     `gemm_weight_bytes`: what the weight matmuls of one step read."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    from kit.measure.profiler import profiled
     synchronize(device)
-    with profile(activities=activities) as prof:
+    with profiled(device) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()

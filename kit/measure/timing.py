@@ -116,9 +116,8 @@ def per_round_best(rounds: list) -> Timings:
 def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
     """Mean time per call of the profiler's "TorchDynamo Cache Lookup" events (the lookup of
     the cache entry, guards included); None when the profiler records none."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    from kit.measure.profiler import profiled
+    with profiled(device) as prof:
         for _ in range(calls):
             fn()
         synchronize(device)

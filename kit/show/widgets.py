@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import ipywidgets as w
 from IPython.display import display
@@ -13,6 +14,25 @@ from kit.units import GiB
 
 
 MAX_MODEL_LENS = [2**k for k in range(7, 18)]
+MEMORY_STEP = 0.25  # the memory slider moves by 2^0.25 (about 19%)
+
+
+def memory_slider(capacity_bytes: int) -> w.FloatLogSlider:
+    """A log-2 slider in GiB that opens at `capacity_bytes` exactly: its steps are counted from
+    there, and it reaches at least 1/4 GiB to 256 GiB and 1/4 to 4 times the capacity (a 96 MiB
+    emulated device opens at 96 MiB, not at the slider's end)."""
+    start = math.log2(capacity_bytes / GiB)
+    below = math.ceil((start - min(-2.0, start - 2)) / MEMORY_STEP)
+    above = math.ceil((max(8.0, start + 2) - start) / MEMORY_STEP)
+    return w.FloatLogSlider(value=capacity_bytes / GiB, base=2, min=start - below * MEMORY_STEP,
+                            max=start + above * MEMORY_STEP, step=MEMORY_STEP,
+                            readout_format=".3g")
+
+
+def slider_bytes(gib: float, capacity_bytes: int) -> int:
+    """The slider's GiB in bytes; its starting value is the capacity to the byte."""
+    return capacity_bytes if math.isclose(gib * GiB, capacity_bytes, rel_tol=1e-9) \
+        else round(gib * GiB)
 
 
 def calculator_controls(settings, capacity_bytes: int) -> dict:
@@ -22,8 +42,7 @@ def calculator_controls(settings, capacity_bytes: int) -> dict:
                             value=settings.model),
         "gpu_memory_utilization": w.FloatSlider(value=settings.gpu_memory_utilization, min=0.05,
                                                 max=1.0, step=0.01),
-        "device_memory_gib": w.FloatLogSlider(value=capacity_bytes / GiB, base=2, min=-2, max=8,
-                                              step=0.25, readout_format=".2f"),
+        "device_memory_gib": memory_slider(capacity_bytes),
         "block_size": w.Dropdown(options=[8, 16, 32, 64, 128, 256], value=settings.block_size),
         "kv_cache_dtype": w.Dropdown(options=list(KV_CACHE_DTYPES), value=settings.kv_cache_dtype),
         "max_model_len": w.SelectionSlider(
@@ -71,7 +90,8 @@ def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int)
         v = {k: c.value for k, c in controls.items()}
         try:
             split, source = calculate(settings, measured_activation_bytes, v.pop("model"),
-                                      capacity_bytes=int(v.pop("device_memory_gib") * GiB), **v)
+                                      capacity_bytes=slider_bytes(v.pop("device_memory_gib"),
+                                                                       capacity_bytes), **v)
         except ValueError as e:  # e.g. tensor_parallel_size not dividing the heads
             numbers.value = f"<b>{e}</b>"
             out.outputs = ()
