@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kit.cli.lab import lab_command
 from kit.pages.report import write_compare
 from kit.execute.notebooks import NOTEBOOKS_DIR
 
@@ -100,10 +101,7 @@ def lab(tmp_path_factory):
     env = dict(os.environ, KIT_RUN_DIR=str(root / "runs"), JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(root / ".workspaces"),
                JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-root")
+    cmd = lab_command("127.0.0.1", port, token, open_browser=False, root=root)  # `kit lab`'s
     log = root / "jupyterlab.log"
     with open(log, "w") as out:
         server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=root)
@@ -237,6 +235,16 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
 
         calculator.scroll_into_view_if_needed()
         page.screenshot(path=artifact("jupyterlab-02-calculator.png"))
+
+        # saving the run chapter stores it stripped: byte for byte the file in git
+        saved = lab.root / "02_kv_cache.ipynb"
+        before = saved.stat().st_mtime_ns
+        page.keyboard.press("Control+s")
+        deadline = time.monotonic() + 30
+        while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert saved.stat().st_mtime_ns != before, "Ctrl+S did not save"
+        assert saved.read_bytes() == (NOTEBOOKS_DIR / "02_kv_cache.ipynb").read_bytes()
         assert not w.errors, w.errors
         assert not w.refused, f"JupyterLab asked for more than its server: {w.refused}"
     except Exception:

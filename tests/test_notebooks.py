@@ -123,3 +123,26 @@ def test_chapter_00_gives_a_verdict(cpu_small_run):
     verdict = readiness(failed, 12.0)
     assert not verdict.ready and [n for n, _ in verdict.todo] == ["torch.compile works here"]
     assert "C++ compiler" in repr(verdict) and "NOT READY" in Verdict(verdict)._repr_html_()
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_saving_a_run_chapter_gives_back_the_stored_file(path):
+    """What JupyterLab sends when a learner saves a chapter they ran (outputs, counts, run
+    metadata, widget state, their Python's version), through `kit lab`'s pre-save hook and
+    jupyter_server's writer: the stored file, byte for byte (git shows nothing)."""
+    from kit.execute.stored import pre_save_hook
+    nb = json.loads(path.read_text())
+    nb["metadata"]["language_info"]["version"] = "3.11.7"
+    nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for i, cell in enumerate(nb["cells"]):
+        cell["metadata"].update(execution={"iopub.status.busy": "2026-12-04T10:00:00Z"},
+                                scrolled=True, trusted=True)
+        if cell["cell_type"] == "code":
+            cell["execution_count"] = i
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "hello\n"}]
+    other = {"type": "notebook", "content": json.loads(json.dumps(nb))}
+    model = {"type": "notebook", "content": nb}
+    pre_save_hook(model=model, path=path.name, contents_manager=None)
+    assert nbformat.writes(nbformat.from_dict(model["content"])) + "\n" == path.read_text()
+    pre_save_hook(model=other, path=f"mine/{path.name}", contents_manager=None)
+    assert other["content"]["metadata"]["language_info"]["version"] == "3.11.7"  # not a chapter

@@ -169,10 +169,15 @@ def recorded_eager_kv_bytes(settings: Settings, recorded: dict | None) -> int | 
     return None if profiles is None else profiles["eager"]["kv_cache_bytes"]
 
 
-def recorded_or_measured(settings: Settings, recorded: dict | None) -> tuple[dict[str, dict], str]:
+def recorded_or_measured(settings: Settings, recorded: dict | None,
+                         progress=lambda line: None) -> tuple[dict[str, dict], str]:
     """Chapter 01's profile summaries for these settings: from `recorded` (chapter 01's record
-    in this run's folder, or None) when it holds them for the same settings, else measured now."""
+    in this run's folder, or None) when it holds them for the same settings, else measured now
+    (saying so through `progress` first: it takes chapter 01's time)."""
     profiles = recorded_profiles(settings, recorded)
     if profiles is not None:
         return profiles, f"read from {recorded['chapter']}.json"
+    why = "not in this run's folder" if recorded is None else "recorded for other settings"
+    progress(f"chapter 01's memory profile is {why}: measuring it now, eager and compiled "
+             f"(chapter 01's time; run chapter 01 first to skip this) ...")
     return {k: p.summary() for k, p in profile_memory(settings).items()}, "measured now"
