@@ -274,6 +274,31 @@ def figures_drawn(page, selector: str) -> list[int]:
         selector, "divs => divs.map(d => d.querySelectorAll('.main-svg g.trace, .main-svg g.hm').length)")
 
 
+def assert_findings_lead(page, folder):
+    """The report opens with what the run found, above the parameters, and its numbers are
+    the recorded ones: chapter 01's KV ratio beside the PR's, chapter 04's quickest step,
+    chapter 05's best-step ratio."""
+    findings = page.locator("#findings")
+    assert findings.is_visible()
+    above = page.evaluate("() => document.querySelector('#findings').getBoundingClientRect().top"
+                          " < [...document.querySelectorAll('h2')].find(h => h.textContent === "
+                          "'Parameters').getBoundingClientRect().top")
+    assert above
+    rows = {r.locator("td").nth(1).inner_text(): r.locator("td").nth(2).inner_text()
+            for r in findings.locator("tbody tr").all()}
+    results = {n: json.loads((folder / f"{n}.json").read_text())["results"]
+               for n in ("01_memory_profiling", "04_decode_timing", "05_vllm_side_by_side")}
+    kv = next(v for k, v in rows.items() if k.startswith("KV cache left by a compiled"))
+    assert kv == f"{results['01_memory_profiling']['kv_ratio_compiled_over_eager']:.2f}×"
+    decode = results["04_decode_timing"]
+    step = decode["strategies"][decode["best_strategy"]]["median_step_seconds"]
+    assert next(v for k, v in rows.items() if k.startswith("the quickest decode step")) \
+        .startswith(f"{step * 1e3:.3g} ms")
+    ratio = results["05_vllm_side_by_side"]["best_ratio_kit_over_vllm"]
+    assert next(v for k, v in rows.items() if k.startswith("the kit's best decode step")) \
+        .startswith(f"{ratio:.2f}×")
+
+
 def test_report_pages_draw_every_figure_offline(browser, cpu_small_run, not_ready_run, artifact,
                                                 tmp_path):
     _, _, folder = cpu_small_run
@@ -288,6 +313,8 @@ def test_report_pages_draw_every_figure_offline(browser, cpu_small_run, not_read
     for path, shot, selector, expected in pages:
         w = open_offline(browser, path, artifact, shot)
         try:
+            if shot == "report.png":
+                assert_findings_lead(w.page, folder)
             drawn = figures_drawn(w.page, selector)
             assert len(drawn) == expected and all(drawn), (path.name, drawn)
             assert not w.errors, (path.name, w.errors)

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from kit.errors import ConfigError
+from kit.pages.findings import findings
 from kit.pages.html import Figures, esc, fmt, flatten, is_number, key_values, page, table
 from kit.pages.notebook_page import notebook_pages
 from kit.results import current_names
@@ -82,6 +83,19 @@ def failing_cell(nb: dict, link: str | None) -> str:
             f"<pre>{esc(err.get('evalue'))}</pre>{source}")
 
 
+def findings_section(notebooks: list[dict]) -> str:
+    """What the run found, before the details: one row per finding, its reference beside."""
+    found = findings(notebooks)
+    if not found:
+        return ""
+    mark = {True: '<span class="ok">within target</span>',
+            False: '<span class="fail">outside target</span>', None: ""}
+    rows = [[f'<a href="#{esc(f.chapter)}">{esc(f.chapter[:2])}</a>', esc(f.question),
+             f"<b>{esc(f.found)}</b> {mark[f.ok]}", esc(f.reference)] for f in found]
+    return ('<section id="findings"><h2>What this run found</h2>'
+            + table(rows, ["", "question", "measured here", "beside it"]) + "</section>")
+
+
 def checks_table(checks: list[dict]) -> str:
     if not checks:
         return '<p class="fail">No checks recorded.</p>'
@@ -139,7 +153,7 @@ def render_report(folder, links: dict | None = None) -> str:
             f'<code>{esc(run.get("machine", {}).get("device"))}</code> · '
             f'{run.get("seconds", 0):.0f} s in all · {log_link(run)}'
             'written by <code>python -m kit report</code></p>',
-            status_banner(notebooks), f"<nav>{nav}</nav>",
+            status_banner(notebooks), findings_section(notebooks), f"<nav>{nav}</nav>",
             "<h2>Parameters</h2>",
             f"<p>Overrides of the preset: {esc(params) if params else 'none'}.</p>",
             key_values(run.get("settings", {})),
