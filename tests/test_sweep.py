@@ -5,6 +5,7 @@ The chapter 02 sweep itself is the session fixture `chapter02_sweep` (conftest.p
 the browser test of its page."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -158,6 +159,11 @@ def test_chapter02_sweep_on_a_local_ray_instance(chapter02_sweep):
         assert (run / "report.html").is_file() and (run / "02_kv_cache.ipynb").is_file()
         assert p["notebooks"][0]["checks_failed"] == [] and p["notebooks"][0]["checks_passed"] > 0
         assert p["node"]["node_id"] and p["seconds"] > 0
+        log = (run / "sweep-point.log").read_text()  # names the point's folder, not a gone one
+        assert "report: ./report.html" in log and "kit-sweep-" not in log, log[-500:]
+    ran = s["runs"][0]  # the wall time holds Ray's start and stop: more than the points'
+    assert ran["ended"] - ran["started"] > max(p["ended"] for p in s["points"]) - \
+        min(p["started"] for p in s["points"])
     per_block = {k: r["02_kv_cache.bytes_per_block"] for k, r in by.items()}
     assert per_block[32, "auto"] == 2 * per_block[16, "auto"]
     assert per_block[16, "auto"] == 2 * per_block[16, "fp8"]  # bf16 -> one byte
@@ -165,6 +171,10 @@ def test_chapter02_sweep_on_a_local_ray_instance(chapter02_sweep):
         assert r["02_kv_cache.num_blocks"] == r["02_kv_cache.budget_bytes"] // per_block[k]
     page = (folder / "sweep.html").read_text()
     assert "All 4 points ran ok" in page and "02_kv_cache" in page
+    assert "every other parameter at the preset's value" in page
+    # block_size takes powers of two: its figures have a log-2 axis with a tick per value
+    figure = re.search(r'"xaxis":\{[^}]*"title":\{"text":"block_size"\}[^}]*\}', page)
+    assert figure and '"type":"log"' in figure.group(0) and '"tickvals":[16,32]' in figure.group(0)
 
 
 @pytest.fixture
@@ -207,6 +217,7 @@ def test_sweep_on_a_two_node_cluster(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # starts a local Ray instance (conftest.XDIST_GROUPS)
 def test_a_failed_point_is_recorded_and_resume_finishes_the_sweep(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIT_FIXTURE_FAIL", "2")  # the point with seed 2 raises
     code, folder = sweep("cpu-small", [POINT], ["seed=1,2,3"], ["batch_size=4"], out=tmp_path,

@@ -140,7 +140,8 @@ def how_it_ran(sweep: dict) -> str:
             f"<b>{shared}</b> on one machine. Points that share a machine share its cores and "
             "memory bandwidth: compare timings only between points that had their machine to "
             "themselves (column <i>on its machine</i> = 1), on like machines.</p>"
-            + table(runs, ["Ray", "--parallel", "nodes", "GPUs", "wall time"])
+            + table(runs, ["Ray", "--parallel", "nodes", "GPUs",
+                           "wall time (Ray's start and stop included)"])
             + table([[esc(n), str(len(ps)), esc(", ".join(ps))] for n, ps in nodes.items()],
                     ["node", "points", "which"]))
 
@@ -195,8 +196,10 @@ def render(folder) -> str:
     body = [f"<h1>Sweep {esc(folder.name)}</h1>",
             f'<p class="sub">preset <code>{esc(sweep["preset"])}</code> · notebooks '
             + ", ".join(f"<code>{esc(Path(n).stem)}</code>" for n in sweep["notebooks"])
-            + f" · grid {grid} · fixed {esc(sweep['fixed']) if sweep['fixed'] else 'nothing'}"
-            " · written by <code>python -m kit sweep</code></p>", banner,
+            + f" · grid {grid} · "
+            + (f"fixed {esc(sweep['fixed'])}" if sweep["fixed"] else
+               "every other parameter at the preset's value")
+            + " · written by <code>python -m kit sweep</code></p>", banner,
             "<h2>Points</h2>", points_table(sweep), how_it_ran(sweep), figures(sweep, figs)]
     return page(f"Sweep {folder.name}", "".join(body), figs.count > 0, wide=True)
 

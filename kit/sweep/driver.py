@@ -87,8 +87,8 @@ def run_point(preset: str, notebooks: dict[str, str], params: dict,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         folders = sorted((tmp / "runs").glob("*")) if (tmp / "runs").is_dir() else []
         archive = None
-        if folders:
-            (folders[0] / POINT_LOG).write_text(done.stdout)
+        if folders:  # the log names the run folder as "." (this temporary one is gone after)
+            (folders[0] / POINT_LOG).write_text(done.stdout.replace(str(folders[0]), "."))
             archive = pack(folders[0])
     return {"exit_code": done.returncode, "output": done.stdout[-4000:], "archive": archive,
             "started": started, "ended": time.time(), "node": node_info()}
@@ -215,11 +215,12 @@ def execute(folder: Path, sweep: dict, todo: list[dict], address: str | None, pa
     """Run the points of `todo` as Ray tasks, `parallel` at once; each finished point is
     unpacked, recorded in sweep.json and printed."""
     notebooks = {Path(p).name: Path(p).read_text() for p in sweep["notebooks"]}
+    started = time.time()  # the wall time counts Ray's start and stop
     ray = start_ray(address, parallel)
     gpus = ray.cluster_resources().get("GPU", 0)
     task = ray.remote(run_point).options(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=0)
     sweep["runs"].append({"address": address or "local", "parallel": parallel,
-                          "nodes": len(ray.nodes()), "gpus": gpus, "started": time.time(),
+                          "nodes": len(ray.nodes()), "gpus": gpus, "started": started,
                           "ended": None})
     save(folder, sweep)
     omp = os.environ.get("OMP_NUM_THREADS")
@@ -251,9 +252,9 @@ def execute(folder: Path, sweep: dict, todo: list[dict], address: str | None, pa
             sys.stdout.write(CLEAR_LINE)
         for ref in running:  # interrupted: the points still running stay pending
             ray.cancel(ref, force=True)
+        ray.shutdown()  # stops the local instance; only disconnects from a cluster
         sweep["runs"][-1]["ended"] = time.time()
         save(folder, sweep)
-        ray.shutdown()  # stops the local instance; only disconnects from a cluster
 
 
 def sweep(preset: str = DEFAULT_PRESET, names: list[str] = (), grid_pairs: list[str] = (),
