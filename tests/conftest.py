@@ -1,5 +1,6 @@
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,13 @@ from kit.execute.notebooks import run
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.
 ARTIFACTS = Path(os.environ.get("KIT_TEST_ARTIFACTS") or ROOT / "runs" / "browser-tests")
-_ARTIFACTS_WRITTEN = pytest.StashKey[list]()
+_SESSION_STARTED = pytest.StashKey[float]()
+# The suite runs in two xdist workers (pyproject's addopts: -n 2 --dist loadgroup). Tests that
+# share a session-scoped run go to one worker, so each run happens once: the chapters' runs in
+# one group, everything that starts Ray in another (the cluster test's `ray stop --force` ends
+# every Ray instance on the machine, another worker's included).
+XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
+                "ray_cluster": "ray"}
 
 
 @pytest.fixture(autouse=True)
@@ -49,22 +56,32 @@ def chapter02_sweep(tmp_path_factory):
 def artifact(request):
     """artifact("name.png") -> a path under ARTIFACTS, listed at the end of the test session."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return lambda name: ARTIFACTS / name
 
-    def path(name: str) -> Path:
-        request.config.stash.setdefault(_ARTIFACTS_WRITTEN, []).append(ARTIFACTS / name)
-        return ARTIFACTS / name
-    return path
+
+def pytest_configure(config):
+    config.stash[_SESSION_STARTED] = time.time()
 
 
 def pytest_collection_modifyitems(items):
-    """A test that uses a headless run of notebooks is slow, whatever its module."""
+    """A test that uses a headless run of notebooks is slow, whatever its module; a test that
+    uses a shared run or Ray joins that run's xdist group (XDIST_GROUPS)."""
     for item in items:
-        if {"cpu_small_run", "not_ready_run", "chapter02_sweep"} & set(getattr(item, "fixturenames", ())):
+        used = set(getattr(item, "fixturenames", ()))
+        if {"cpu_small_run", "not_ready_run", "chapter02_sweep"} & used:
             item.add_marker(pytest.mark.slow)
+        groups = {XDIST_GROUPS[f] for f in used & XDIST_GROUPS.keys()}
+        if groups:
+            assert len(groups) == 1, f"{item.nodeid} needs runs of two xdist groups: {groups}"
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    written = [p for p in config.stash.get(_ARTIFACTS_WRITTEN, []) if p.is_file()]
+    """The artifacts written during this session (by whichever worker), named at the end."""
+    if not ARTIFACTS.is_dir() or hasattr(config, "workerinput"):
+        return
+    started = config.stash[_SESSION_STARTED]
+    written = sorted(p for p in ARTIFACTS.iterdir() if p.is_file() and p.stat().st_mtime >= started)
     if written:
         terminalreporter.write_sep("-", f"test artifacts in {ARTIFACTS}")
         for p in written:

@@ -284,8 +284,12 @@ def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
                                hovertemplate="block %{customdata}: seq %{z}<extra></extra>",
                                customdata=[[i * width + j for j in range(len(r))]
                                            for i, r in enumerate(rows)]))
-    fig.update_layout(title="Block ownership (colour: sequence; blank: free)", xaxis_title="block % 32",
-                      yaxis_title="block // 32", yaxis_autorange="reversed")
+    shown = len(owner)
+    which = (f"all {shown:,} blocks" if shown == allocator.num_blocks else
+             f"the first {shown:,} of the cache's {allocator.num_blocks:,} blocks")
+    fig.update_layout(title=f"Block ownership: {which} (colour: sequence; blank: free)",
+                      xaxis_title="block % 32", yaxis_title="block // 32",
+                      yaxis_autorange="reversed")
     return fig
 
 
