@@ -59,7 +59,9 @@ def fmt(name: str, value) -> str:
     if is_number(value):
         if name.endswith(("_bytes", "memory")) and abs(value) >= 1024:
             return f"{value:,} ({fmt_bytes(value)})"
-        if name.endswith(("_seconds", "_s")):
+        if name.endswith("_GB_per_s"):  # a rate, not seconds
+            return f"{value:,.3g} GB/s"
+        if name.endswith(("_seconds", "_s")) and not name.endswith("_per_s"):
             if abs(value) < 1:
                 return f"{value * 1e3:.3g} ms"
             return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
