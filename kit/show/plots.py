@@ -2,6 +2,7 @@
 and draws it; none measures anything."""
 from __future__ import annotations
 
+import plotly.colors as pcolors
 import plotly.graph_objects as go
 
 from kit.units import GiB, MiB
@@ -325,15 +326,23 @@ def token_logprobs(comparison) -> go.Figure:
     lines per sequence (`kit.studies.token_for_token.TokenComparison`); a cross marks a step
     whose tokens differ."""
     fig = go.Figure()
-    for seq in sorted({s.seq for s in comparison.steps}):
+    palette = pcolors.qualitative.Plotly
+    for k, seq in enumerate(sorted({s.seq for s in comparison.steps})):
         steps = [s for s in comparison.steps if s.seq == seq]
-        x = [s.step for s in steps]
+        x, colour = [s.step for s in steps], palette[k % len(palette)]  # one colour a sequence
         fig.add_scatter(x=x, y=[s.vllm_logprob for s in steps], mode="lines+markers",
-                        name=f"vLLM, seq {seq}", line={"dash": "dot"})
+                        name=f"vLLM, seq {seq}", line={"dash": "dot", "color": colour},
+                        marker={"color": colour}, legendgroup=f"seq {seq}")
         fig.add_scatter(x=x, y=[s.kit_logprob for s in steps], mode="markers",
-                        name=f"kit, seq {seq}", marker={"symbol": [
-                            "circle" if s.agree else "x" for s in steps], "size": 8},
+                        name=f"kit, seq {seq}", legendgroup=f"seq {seq}", marker={
+                            "symbol": ["circle" if s.agree else "x" for s in steps], "size": 8,
+                            "color": colour},
                         hovertext=[f"margin {s.margin:.1e}" for s in steps])
+        differ = next((s for s in steps if not s.agree), None)
+        if differ is not None:  # the kit's dots end here: later steps read other contexts
+            fig.add_annotation(x=differ.step, y=differ.vllm_logprob, text=f"seq {seq}: tokens "
+                               f"differ at step {differ.step}; not compared after", ax=40, ay=-30,
+                               font={"color": colour})
     fig.update_layout(title=f"Log-probability of vLLM's token, {comparison.dtype}",
                       xaxis_title="step (0: the prefill's token)", yaxis_title="log-probability")
     return fig
