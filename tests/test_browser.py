@@ -335,6 +335,13 @@ def test_sweep_page_draws_every_figure_offline(browser, chapter02_sweep, artifac
         drawn = figures_drawn(w.page, ".kit-figure")
         assert len(drawn) == 2 * len(varying) and all(drawn), drawn
         assert not w.errors and not w.refused, (w.errors, w.refused)
+        # it leads with what moved: num_blocks' smallest and largest, read back from the page
+        row = w.page.locator("#findings tbody tr").filter(has_text="02_kv_cache.num_blocks")
+        blocks = [p["results"]["02_kv_cache.num_blocks"] for p in points]
+        cells = [row.locator("td").nth(i).inner_text() for i in (1, 2, 3)]
+        assert cells[0].startswith(f"{min(blocks):,} at")
+        assert cells[1].startswith(f"{max(blocks):,} at")
+        assert cells[2] == f"{max(blocks) / min(blocks):.3g}×"
         w.page.click(f"text={points[0]['name']}")
         w.page.wait_for_function(
             "() => [...document.querySelectorAll('.kit-figure')].every(d => d.classList.contains('kit-drawn'))",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kit.config import reference
 from kit.errors import ConfigError
-from kit.pages.html import Figures, esc, key_values, page, table
+from kit.pages.html import Figures, esc, fmt, is_number, key_values, page, table
 from kit.results import current_names
 
 SWEEP_FILE = "sweep.json"
@@ -102,6 +102,33 @@ def pr_series(sweep: dict) -> list[tuple[str, list, list, list]]:
         if xs == xs2:
             series.append((label, xs, e, c))
     return series
+
+
+def where(point: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point["parameters"].items())
+
+
+def findings_section(sweep: dict, shown: int = 8) -> str:
+    """What the sweep found, before the details: each recorded number that moved, its
+    smallest and largest value and where, and largest ÷ smallest."""
+    ran = [p for p in sweep["points"] if p.get("results")]
+    moved = {n: v for n, v in varying_numbers(ran).items() if all(map(is_number, v))}
+    if not moved:
+        return ""
+    rows = []
+    for name, values in list(moved.items())[:shown]:
+        lo, hi = (min(zip(values, ran), key=lambda vp: vp[0] * sign) for sign in (1, -1))
+        ratio = f"{hi[0] / lo[0]:.3g}×" if lo[0] > 0 else "–"
+        rows.append([f"<code>{esc(name)}</code>", f"<b>{esc(fmt(name, lo[0]))}</b> at "
+                     f"{esc(where(lo[1]))}", f"<b>{esc(fmt(name, hi[0]))}</b> at "
+                     f"{esc(where(hi[1]))}", ratio])
+    more = (f"<p class=\"sub\">and {len(moved) - shown} more, in the figures below</p>"
+            if len(moved) > shown else "")
+    return ('<section id="findings"><h2>What the sweep found</h2>'
+            f"<p>Over {len(ran)} points, {len(moved)} recorded number"
+            f"{'s' if len(moved) != 1 else ''} moved:</p>"
+            + table(rows, ["number", "smallest", "largest", "largest ÷ smallest"],
+                    numeric={3}) + more + "</section>")
 
 
 def points_table(sweep: dict) -> str:
@@ -200,7 +227,7 @@ def render(folder) -> str:
             + (f"fixed {esc(sweep['fixed'])}" if sweep["fixed"] else
                "every other parameter at the preset's value")
             + " · written by <code>python -m kit sweep</code></p>", banner,
-            "<h2>Points</h2>", points_table(sweep), how_it_ran(sweep), figures(sweep, figs)]
+            findings_section(sweep), "<h2>Points</h2>", points_table(sweep), how_it_ran(sweep), figures(sweep, figs)]
     return page(f"Sweep {folder.name}", "".join(body), figs.count > 0, wide=True)
 
 
