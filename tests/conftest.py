@@ -7,6 +7,12 @@ import pytest
 
 from kit.execute.notebooks import run
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers on a 2-core machine: OpenMP threads that wait for work sleep instead of
+    # spinning, so one worker's idle threads do not take the cores from the other's (the
+    # kernels and engines the tests start inherit it). Results are the same; tests time nothing.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.
 ARTIFACTS = Path(os.environ.get("KIT_TEST_ARTIFACTS") or ROOT / "runs" / "browser-tests")
@@ -63,6 +69,7 @@ def pytest_configure(config):
     config.stash[_SESSION_STARTED] = time.time()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(items):
     """A test that uses a headless run of notebooks is slow, whatever its module; a test that
     uses a shared run or Ray joins that run's xdist group (XDIST_GROUPS)."""

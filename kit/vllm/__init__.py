@@ -8,3 +8,11 @@ tokens from a checkpoint (`greedy`). Importing them imports no vLLM and changes 
 variable: that happens when an engine starts or a model is built. When vLLM is missing or cannot
 start, the functions return a result whose `error` says why and what to do, never a traceback,
 so a notebook can go on."""
+
+import logging as _logging
+
+# vLLM's CPU build warns, when it first imports its Triton shim, that Triton has no CPU backend:
+# true of every CPU machine and nothing to act on, but JupyterLab would show it as an error box
+# in chapter 05. That one record is dropped where it is made; every other vLLM line stays.
+_logging.getLogger("vllm.triton_utils.importing").addFilter(
+    lambda record: "doesn't include CPU backend" not in record.getMessage())
