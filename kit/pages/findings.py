@@ -44,8 +44,8 @@ def decode(r: dict) -> list[Finding]:
     if not timing or not timing.get("median_step_seconds"):
         return []
     found = [Finding("04_decode_timing", f"the quickest decode step ({best})",
-                     _ms(timing["median_step_seconds"]) + (
-                         f", {timing['percent_of_floor']:.0f}% of its bandwidth floor"
+                     _ms(timing["median_step_seconds"]) + (  # percent: floor ÷ step
+                         f", {100 / timing['percent_of_floor']:.1f}× its bandwidth floor"
                          if timing.get("percent_of_floor") else ""),
                      f"floor {_ms(statistics.median(r['floor_seconds']))}: the bytes a step "
                      "must move ÷ the copy bandwidth measured in the run"
