@@ -215,11 +215,13 @@ def pr_blocks_table(a, model_name: str, device: str) -> Table:
 def plans_table(comparison) -> Table:
     """Chapter 03's plans as a learner reads them: units, and why a plan did not run."""
     def us(x):
-        return "" if x is None else f"{x * 1e6:,.0f}"
+        return "–" if x is None else f"{x * 1e6:,.0f}"  # –: not measured for this plan
     rows = []
     for r in comparison.results.values():
-        if not r.available:
-            rows.append({"#": r.number, "plan": r.name, "note": r.reason})
+        if not r.available:  # every measured column says so, the note says why
+            rows.append({"#": r.number, "plan": r.name, "serves with": r.serve,
+                         "profiles with": r.profile_with, "compile s (profile / serve)":
+                         "not run here", "note": r.reason})
             continue
         rows.append({
             "#": r.number, "plan": r.name, "serves with": r.serve,
@@ -227,7 +229,7 @@ def plans_table(comparison) -> Table:
             "compile s (profile / serve)": f"{r.profile_compile_seconds or 0:.1f} / "
                                            f"{r.compile_seconds:.1f}",
             "cache entries": r.cache_entries,
-            "guards": "" if r.guards_total is None else r.guards_total,
+            "guards": "–" if r.guards_total is None else r.guards_total,
             "graphs": r.graphs_compiled, "recompiles": r.recompiles,
             "µs/forward": us(r.forward_seconds), "µs direct": us(r.direct_seconds),
             "Dynamo µs/call": us(r.dynamo_overhead_seconds),
@@ -237,6 +239,8 @@ def plans_table(comparison) -> Table:
             "max |diff| / max |eager|": "n/a (trace failed)" if r.max_rel_diff is None
             else f"{r.max_rel_diff:.2g} (≤ {r.tolerance:g})",
             "note": r.recompile_error or ""})
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    rows = [{c: row.get(c, "–") for c in columns} for row in rows]  # a plan not run: dashes
     s = comparison.settings
     return Table(rows, title=f"{s.arch.name}, {s.dtype}, {s.device}")
 
