@@ -145,15 +145,15 @@ def test_the_machine_section_gathers_what_chapters_measured():
     assert ch00["results"]["hardware"] == {"copy_GB_per_s": 30.0,
                                            "matmul_GFLOP_per_s.float32": 70.0,
                                            "matmul_GFLOP_per_s.bfloat16": 1.0,
-                                           "slowdown_vs_float32.bfloat16": 70.0}
-    assert ch04["results"]["hardware"]["slowdown_vs_float32.bfloat16"] == 35.0
+                                           "speed_vs_float32.bfloat16": 1 / 70}
+    assert ch04["results"]["hardware"]["speed_vs_float32.bfloat16"] == 2 / 70
     machine = {"device": "cpu"}
     add_measured_hardware(machine, "02_kv_cache", {"results": {"num_blocks": 3}})
     assert "measured" not in machine  # a chapter that measured no hardware adds nothing
     add_measured_hardware(machine, "00_setup_check", ch00)
     add_measured_hardware(machine, "04_decode_timing", ch04)
     assert machine["measured"]["measured_by"] == "00_setup_check"
-    assert machine["measured"]["slowdown_vs_float32.bfloat16"] == 70.0  # the first one kept
+    assert machine["measured"]["speed_vs_float32.bfloat16"] == 1 / 70  # the first one kept
     machine = {}
     add_measured_hardware(machine, "04_decode_timing", ch04)  # a run without chapter 00
     assert machine["measured"]["matmul_GFLOP_per_s.bfloat16"] == 2.0
@@ -162,10 +162,13 @@ def test_the_machine_section_gathers_what_chapters_measured():
 def test_bench_suite_says_whether_this_cpus_bf16_is_native():
     from kit.cli.suite import bf16_line
     slow = {"cpu_isa": {"pytorch_kernels": "AVX2"},
-            "measured": {"slowdown_vs_float32.bfloat16": 80.0}}
+            "measured": {"speed_vs_float32.bfloat16": 1 / 80}}
     assert bf16_line(slow) == ("PyTorch's kernels AVX2; bf16 matmuls emulated, "
                                "at 0.01× float32's FLOP/s")
     fast = {"cpu_isa": {"pytorch_kernels": "AVX512"},
-            "measured": {"slowdown_vs_float32.bfloat16": 0.5}}
+            "measured": {"speed_vs_float32.bfloat16": 2.0}}
     assert "native, at 2.00×" in bf16_line(fast)
+    older = {"cpu_isa": {"pytorch_kernels": "AVX2"},  # recorded before the rename
+             "measured": {"slowdown_vs_float32.bfloat16": 80.0}}
+    assert bf16_line(older) == bf16_line(slow)
     assert "not measured" in bf16_line({"cpu_isa": {"pytorch_kernels": "AVX512"}})

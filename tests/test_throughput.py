@@ -63,6 +63,9 @@ def test_a_slow_dtype_is_called_emulated_with_its_factor():
                            "float16": _probe("float16", 140e9)})
     slow, fast = speeds["bfloat16"], speeds["float16"]
     assert slow.slowdown == pytest.approx(70) and slow.slow and not fast.slow
+    # recorded as a speed, named the way it reads: float16 here is twice float32's speed
+    assert fast.summary()["speed_vs_float32"] == pytest.approx(2)
+    assert slow.summary()["speed_vs_float32"] == pytest.approx(1 / 70)
     isa = {"pytorch_kernels": "AVX2", "avx512_bf16": False, "onednn_max_isa": "AVX2"}
     finding = speed_finding(slow, isa)
     assert "70× slower than float32" in finding and "AVX2" in finding

@@ -66,13 +66,16 @@ def bf16_line(machine: dict) -> str:
     """The CPU's kernels and whether its bf16 matmuls ran natively, as the run measured them
     (the targets are for a CPU without native bf16)."""
     isa = machine.get("cpu_isa") or {}
-    slowdown = (machine.get("measured") or {}).get("slowdown_vs_float32.bfloat16")
+    measured = machine.get("measured") or {}
+    speed = measured.get("speed_vs_float32.bfloat16")
+    if speed is None and measured.get("slowdown_vs_float32.bfloat16"):  # a run before the rename
+        speed = 1 / measured["slowdown_vs_float32.bfloat16"]
     kernels = f"PyTorch's kernels {isa.get('pytorch_kernels', '?')}"
-    if slowdown is None:
+    if speed is None:
         return f"{kernels}; bf16 matmul speed not measured in this run (chapter 00 measures it)"
     from kit.measure.dtype_speed import SLOW_FACTOR
-    state = "emulated" if slowdown > SLOW_FACTOR else "native"
-    return f"{kernels}; bf16 matmuls {state}, at {1 / slowdown:,.2f}× float32's FLOP/s"
+    state = "emulated" if speed < 1 / SLOW_FACTOR else "native"
+    return f"{kernels}; bf16 matmuls {state}, at {speed:,.2f}× float32's FLOP/s"
 
 
 def target_lines(result: dict) -> list[str]:

@@ -24,6 +24,11 @@ class DtypeSpeed:
     float32_flops_per_second: float
 
     @property
+    def speed_vs_float32(self) -> float:
+        """This dtype's FLOP/s ÷ float32's: 3.1 where it is 3.1× as fast, 0.01 where emulated."""
+        return self.flops_per_second / self.float32_flops_per_second
+
+    @property
     def slowdown(self) -> float:
         """float32's FLOP/s ÷ this dtype's: above SLOW_FACTOR, the dtype is slow here."""
         return self.float32_flops_per_second / self.flops_per_second
@@ -35,7 +40,7 @@ class DtypeSpeed:
     def summary(self) -> dict:
         return {"dtype": self.dtype, "gflops": self.flops_per_second / 1e9,
                 "float32_gflops": self.float32_flops_per_second / 1e9,
-                "slowdown_vs_float32": self.slowdown, "slow": self.slow}
+                "speed_vs_float32": self.speed_vs_float32, "slow": self.slow}
 
 
 def dtype_speeds(matmuls: dict[str, Throughput]) -> dict[str, DtypeSpeed]:
@@ -87,13 +92,13 @@ def dtype_note(speed: DtypeSpeed | None, isa: dict | None) -> str:
 def hardware_figures(copy_rate: float | None, matmul_rates: dict[str, float]) -> dict:
     """What a chapter measured of the hardware, in the one shape every run's machine section
     gathers (`python -m kit run` reads this, never a chapter's own results): the copy in GB/s,
-    matmuls in GFLOP/s per dtype, and each other dtype's `DtypeSpeed.slowdown` where float32's
+    matmuls in GFLOP/s per dtype, and each other dtype's `DtypeSpeed.speed_vs_float32` where float32's
     was measured too."""
     out = {} if copy_rate is None else {"copy_GB_per_s": copy_rate / 1e9}
     out.update({f"matmul_GFLOP_per_s.{d}": rate / 1e9 for d, rate in matmul_rates.items()})
     if "float32" in matmul_rates:
         f32 = matmul_rates["float32"]
-        out.update({f"slowdown_vs_float32.{d}": DtypeSpeed(d, rate, f32).slowdown
+        out.update({f"speed_vs_float32.{d}": DtypeSpeed(d, rate, f32).speed_vs_float32
                     for d, rate in matmul_rates.items() if d != "float32"})
     return out
 
