@@ -77,7 +77,8 @@ class Verdict:
 def machine_table(machine: dict, versions: dict) -> Table:
     """The machine and the software, one row per field (the ISA has its own table)."""
     fields = {k: v for k, v in {**machine, **versions}.items() if k != "cpu_isa"}
-    return Table([{"what": k, "value": v} for k, v in fields.items()])
+    return Table([{"what": k, "value": f"{v:,} ({fmt_bytes(v)})" if k.endswith("_bytes")
+                   and isinstance(v, int) else v} for k, v in fields.items()])
 
 
 def isa_table(isa: dict) -> Table:
