@@ -65,7 +65,8 @@ def fmt(name: str, value) -> str:
             if abs(value) < 1:
                 return f"{value * 1e3:.3g} ms"
             return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
-        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"  # four figures: what a measurement means
+        # counts exact; measurements to four figures, about what a noisy machine gives
+        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= 160 else text[:157] + "…"
 
