@@ -36,6 +36,11 @@ def fmt_bytes(n) -> str:
     return f"{n} B"
 
 
+def fmt_bytes_exact(n: int) -> str:
+    """Bytes to the byte, and in the unit people read: `25,276,067,840 (23.54 GiB)`."""
+    return f"{n:,} ({fmt_bytes(n)})"
+
+
 def fmt_flops(rate: float) -> str:
     """FLOP/s in the unit that keeps a slow CPU's 1.0 GFLOP/s from reading as 0.00 TFLOP/s."""
     return f"{rate / 1e12:,.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"

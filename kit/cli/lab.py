@@ -12,10 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
-from kit.config import DATA
 from kit.errors import ConfigError
-
-NOTEBOOKS = DATA.parent / "notebooks"
+from kit.execute.notebooks import NOTEBOOKS_DIR
 # JupyterLab's settings for its news and update checks, as an environment-wide override (a file
 # of its own under overrides.d, beside any overrides.json of the user's).
 NEWS_OFF = {"@jupyterlab/apputils-extension:notification":
@@ -47,7 +45,8 @@ def check_address(ip: str, port: int) -> None:
 
 def quiet_news(prefix: str = sys.prefix) -> Path:
     """Writes NEWS_OFF where JupyterLab reads this environment's overrides; returns the file."""
-    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.d" / "llm-serving-kit.json"
+    settings = Path(prefix) / "share" / "jupyter" / "lab" / "settings"
+    path = settings / "overrides.d" / "llm-serving-kit.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(NEWS_OFF, indent=1) + "\n")
     return path
@@ -67,7 +66,7 @@ def addresses(ip: str, port: int, token: str) -> list[str]:
 
 
 def lab_command(ip: str, port: int, token: str, open_browser: bool,
-                root: Path = NOTEBOOKS) -> list[str]:
+                root: Path = NOTEBOOKS_DIR) -> list[str]:
     """JupyterLab's command line; a chapter saved from it is saved stripped of its outputs
     (`kit.execute.stored.pre_save_hook`), so running and saving never changes the file."""
     cmd = [sys.executable, "-m", "jupyterlab", f"--ip={ip}", f"--port={port}",
@@ -86,12 +85,13 @@ def lab(args) -> int:
     check_address(args.ip, args.port)
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
     quiet_news()
-    print(f"JupyterLab on {NOTEBOOKS} (kernel: {sys.executable}). Open:")
+    print(f"JupyterLab on {NOTEBOOKS_DIR} (kernel: {sys.executable}). Open:")
     for url in addresses(args.ip, args.port, token):
         print(f"  {url}")
     if args.ip in LOCAL:
         print(f"From another machine: ssh -L {args.port}:localhost:{args.port} <this machine>, "
               f"then open the first address there (or start with --ip 0.0.0.0).")
-    print("Start with 00_setup_check (Run → Run All Cells). Ctrl-C twice stops JupyterLab.", flush=True)
+    print("Start with 00_setup_check (Run → Run All Cells). Ctrl-C twice stops JupyterLab.",
+          flush=True)
     # JupyterLab takes this process's place: Ctrl-C and signals reach it directly
     os.execv(sys.executable, lab_command(args.ip, args.port, token, not args.no_browser))

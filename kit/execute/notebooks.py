@@ -23,6 +23,7 @@ from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
 from kit.execute.progress import Progress
 from kit.execute.runlog import LOG_NAME, RunLog
+from kit.execute.stored import CHAPTER_GLOB
 from kit.results import RUN_DIR_ENV, new_run_dir
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
@@ -30,7 +31,7 @@ NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
 def find_notebooks(names: list[str]) -> list[Path]:
     """All chapters in order, or those named by path, file stem or number prefix ("01")."""
-    chapters = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+    chapters = sorted(NOTEBOOKS_DIR.glob(CHAPTER_GLOB))
     if not names:
         return chapters
     found = []

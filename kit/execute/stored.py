@@ -3,7 +3,7 @@ save from JupyterLab (`python -m kit lab` strips through `pre_save_hook`) of a c
 only run gives back the stored file byte for byte, so running and saving never shows in git."""
 from __future__ import annotations
 
-import re
+import fnmatch
 from pathlib import Path
 
 # The notebook-level metadata every chapter is stored with (the kit's kernel, Python 3.11).
@@ -14,12 +14,12 @@ METADATA = {
                       "pygments_lexer": "ipython3", "version": "3.11"},
 }
 CELL_METADATA = ("tags",)  # what a cell keeps: the parameters cell's tag
-CHAPTER = re.compile(r"[0-9][0-9]_\w+\.ipynb")
+CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"  # a chapter's file name (`find_notebooks` lists these)
 
 
 def is_chapter(path: str) -> bool:
     """A chapter's file name at the top of the notebooks folder (not a learner's own copy)."""
-    return "/" not in path.strip("/") and bool(CHAPTER.fullmatch(Path(path).name))
+    return "/" not in path.strip("/") and fnmatch.fnmatchcase(Path(path).name, CHAPTER_GLOB)
 
 
 def stripped(nb: dict) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from kit.config import reference
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -23,10 +25,12 @@ def _ms(seconds: float) -> str:
 def memory(r: dict) -> list[Finding]:
     if "kv_ratio_compiled_over_eager" not in r:
         return []
+    pr = reference("pr7796")
     return [Finding("01_memory_profiling",
                     "KV cache left by a compiled profiling run ÷ an eager one",
                     f"{r['kv_ratio_compiled_over_eager']:.2f}×",
-                    f"the PR: {r['pr_kv_ratio']:.2f}× (Gemma-2B, 34552 ÷ 25752 blocks)")]
+                    f"the PR: {r['pr_kv_ratio']:.2f}× (Gemma-2B, "
+                    f"{pr['kv_blocks_profile_compiled']} ÷ {pr['kv_blocks_profile_eager']} blocks)")]
 
 
 def kv_cache(r: dict) -> list[Finding]:
@@ -51,10 +55,12 @@ def decode(r: dict) -> list[Finding]:
                      "must move ÷ the copy bandwidth measured in the run"
                      if r.get("floor_seconds") else "no floor measured")]
     if "step_stock_over_guard_free" in r:
+        pr = reference("pr7796")
         found.append(Finding("04_decode_timing", "what checking guards costs a step: stock "
                              "compile's step ÷ guard-free's",
                              f"{r['step_stock_over_guard_free']:.2f}×",
-                             f"the PR: {r['pr_step_ratio']:.2f}× (8 → 7.5 ms on a GPU)"))
+                             f"the PR: {r['pr_step_ratio']:.2f}× ({pr['decode_step_ms_before']:g} → "
+                             f"{pr['decode_step_ms_after']:g} ms on a GPU)"))
     return found
 
 

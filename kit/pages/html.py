@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from kit.units import fmt_bytes
+from kit.units import fmt_bytes_exact
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif;
@@ -58,7 +58,7 @@ def fmt(name: str, value) -> str:
         return {True: "yes", False: "no", None: "–"}[value]
     if is_number(value):
         if name.endswith(("_bytes", "memory")) and abs(value) >= 1024:
-            return f"{value:,} ({fmt_bytes(value)})"
+            return fmt_bytes_exact(value)
         if name.endswith("_GB_per_s"):  # a rate, not seconds
             return f"{value:,.3g} GB/s"
         if name.endswith(("_seconds", "_s")) and not name.endswith("_per_s"):

@@ -227,7 +227,8 @@ def render(folder) -> str:
             + (f"fixed {esc(sweep['fixed'])}" if sweep["fixed"] else
                "every other parameter at the preset's value")
             + " · written by <code>python -m kit sweep</code></p>", banner,
-            findings_section(sweep), "<h2>Points</h2>", points_table(sweep), how_it_ran(sweep), figures(sweep, figs)]
+            findings_section(sweep), "<h2>Points</h2>", points_table(sweep), how_it_ran(sweep),
+            figures(sweep, figs)]
     return page(f"Sweep {folder.name}", "".join(body), figs.count > 0, wide=True)
 
 

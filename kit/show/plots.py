@@ -356,14 +356,15 @@ def sweep_curve(name: str, parameter: str, lines: list[tuple[str, list, list, li
         fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=label or name, customdata=points,
                         hovertemplate="%{customdata}<br>" + parameter + " = %{x}<br>"
                         + name + " = %{y:,.6g}<extra></extra>")
-    xs = sorted({x for _, line_xs, _, _ in lines for x in line_xs}, key=str)
+    xs = {x for _, line_xs, _, _ in lines for x in line_xs}
     numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs)
     fig.update_layout(title=name, xaxis_title=parameter, yaxis_title=name.rsplit(".", 1)[-1],
                       showlegend=len(lines) > 1, height=340, margin=dict(t=50, b=40),
                       xaxis_type=None if numeric else "category")
     if numeric and len(xs) > 1 and all(isinstance(x, int) and x > 0 and x & (x - 1) == 0
                                        for x in xs):  # powers of two: a log-2 axis
-        fig.update_xaxes(type="log", tickvals=sorted(xs), ticktext=[f"{x:,}" for x in sorted(xs)])
+        ticks = sorted(xs)
+        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{x:,}" for x in ticks])
     return fig
 
 

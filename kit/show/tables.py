@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from kit.units import MiB, fmt_bytes, fmt_flops
+from kit.units import MiB, fmt_bytes, fmt_bytes_exact, fmt_flops
 
 
 # The column beside the measured numbers: the pull request the kit is built around.
@@ -77,7 +77,7 @@ class Verdict:
 def machine_table(machine: dict, versions: dict) -> Table:
     """The machine and the software, one row per field (the ISA has its own table)."""
     fields = {k: v for k, v in {**machine, **versions}.items() if k != "cpu_isa"}
-    return Table([{"what": k, "value": f"{v:,} ({fmt_bytes(v)})" if k.endswith("_bytes")
+    return Table([{"what": k, "value": fmt_bytes_exact(v) if k.endswith("_bytes")
                    and isinstance(v, int) else v} for k, v in fields.items()])
 
 
