@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from kit.errors import ConfigError
-from kit.units import parse_bytes
+from kit.units import Bytes, Count, Fraction, parse_bytes
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA / "models"
@@ -488,6 +488,10 @@ def resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SETTING_QUANTITIES = {"device_memory": Bytes, "kv_cache_memory_bytes": Bytes,
+                     "gpu_memory_utilization": Fraction}  # every other number a count
+
+
 @dataclass(frozen=True)
 class Settings:
     """The run's settings. Build it with `load()`; every chapter takes one."""
@@ -588,7 +592,14 @@ class Settings:
         return DTYPE_BYTES[self.dtype]
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields, numbers typed (`kit.units`): sizes in bytes, the utilization a fraction,
+        the rest counts."""
+        out = asdict(self)
+        for name, value in out.items():
+            kind = SETTING_QUANTITIES.get(name, Count)
+            if name in SETTING_QUANTITIES or isinstance(value, int) and not isinstance(value, bool):
+                out[name] = kind.of(value)
+        return out
 
 
 PARAMETERS = tuple(f.name for f in fields(Settings) if f.name not in ("preset", "description"))

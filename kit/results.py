@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from kit.config import DATA
+from kit.units import Quantity
 
 RUN_DIR_ENV = "KIT_RUN_DIR"
 RUNS_DIR = DATA.parent / "runs"  # the checkout's: JupyterLab's runs and the benchmarks' files
@@ -50,16 +51,25 @@ def run_dir() -> Path:
     return path
 
 
-def plain(value):
-    """Numbers from torch or numpy as plain JSON values."""
+def plain(value, units: dict | None = None, path: str = ""):
+    """Numbers from torch or numpy as plain JSON values. A typed number (`kit.units.Quantity`)
+    is written plain and, when `units` is given, its unit goes there under its dotted `path`
+    (a list's numbers under the list's path)."""
+    if isinstance(value, Quantity) and units is not None:
+        units[path] = value.unit
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return int(value) if isinstance(value, int) else float(value)
     if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
+        return {str(k): plain(v, units, f"{path}.{k}" if path else str(k))
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
+        return [plain(v, units, path) for v in value]
     return value
 
 
@@ -97,7 +107,7 @@ class Recorder:
         self.chapter = chapter
         self.path = run_dir() / f"{chapter}.json"
         self.data = {"chapter": chapter, "settings": plain(settings.as_dict()) if settings else {},
-                     "results": {}, "checks": [], "figures": []}
+                     "results": {}, "units": {}, "checks": [], "figures": []}
         self._save()
 
     @property
@@ -114,8 +124,13 @@ class Recorder:
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
     def record(self, **results):
-        """Record named results (numbers, strings, small dicts)."""
-        self.data["results"].update(plain(results))
+        """Record named results (numbers, strings, small dicts). Each number should be typed
+        (`kit.units`: `Bytes(n)`, `Seconds.of(...)`), so the pages show it in its unit; its
+        unit is recorded under `units` by its dotted name."""
+        for name in results:  # a result recorded again loses its old units
+            self.data["units"] = {k: u for k, u in self.data["units"].items()
+                                  if k != name and not k.startswith(name + ".")}
+        self.data["results"].update(plain(results, self.data["units"]))
         self._save()
 
     def check(self, name: str, ok, detail: str = "") -> bool:

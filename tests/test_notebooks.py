@@ -146,3 +146,28 @@ def test_saving_a_run_chapter_gives_back_the_stored_file(path):
     assert nbformat.writes(nbformat.from_dict(model["content"])) + "\n" == path.read_text()
     pre_save_hook(model=other, path=f"mine/{path.name}", contents_manager=None)
     assert other["content"]["metadata"]["language_info"]["version"] == "3.11.7"  # not a chapter
+
+
+def numbers_without_unit(results, units: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the recorded numbers that have no unit in `units` (a list's numbers
+    share the list's name)."""
+    if isinstance(results, dict):
+        return [n for k, v in results.items()
+                for n in numbers_without_unit(v, units, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(results, list):
+        return sorted({n for v in results for n in numbers_without_unit(v, units, prefix)})
+    number = isinstance(results, (int, float)) and not isinstance(results, bool)
+    return [prefix] if number and prefix not in units else []
+
+
+def test_every_recorded_number_has_its_unit(cpu_small_run):
+    """Every number each chapter records is typed (`kit.units`), so the report shows bytes,
+    seconds, rates and ratios as what they are, never guessed from a name."""
+    from kit.units import QUANTITIES
+    _, summary, folder = cpu_small_run
+    for chapter in CHAPTERS:
+        data = json.loads((folder / f"{chapter}.json").read_text())
+        assert numbers_without_unit(data["results"], data["units"]) == [], chapter
+        assert set(data["units"].values()) <= set(QUANTITIES), chapter
+    for section in ("settings", "machine"):
+        assert numbers_without_unit(summary[section], summary["units"], section) == []

@@ -59,7 +59,7 @@ def test_chapter_00_says_not_ready_and_what_to_do(not_ready_run):
 
 def test_compare_lines_up_numbers_with_ratios_and_figures(cpu_small_run, not_ready_run, tmp_path):
     (_, _, a), (_, _, b) = cpu_small_run, not_ready_run
-    rows = {(ch, name): (va, vb) for ch, name, va, vb in numeric_rows(load_run(a), load_run(b))}
+    rows = {(ch, name): (va, vb) for ch, name, va, vb, _ in numeric_rows(load_run(a), load_run(b))}
     assert rows[("00_setup_check", "capacity_bytes")] == (96 * 2**20, 32 * 2**20)
     assert rows[("passing", "nested.half_bytes")] == (None, 2048)  # only in B
     assert ("01_memory_profiling", "eager.peak_activation_bytes") in rows  # only in A
@@ -105,7 +105,7 @@ def test_an_older_run_reads_with_todays_names(cpu_small_run, tmp_path):
     for nb in summary["notebooks"]:
         nb["recorded"] = None  # read from the chapter's file, as for any run folder
     (old / "summary.json").write_text(json.dumps(summary))
-    rows = {(ch, name): (va, vb) for ch, name, va, vb in numeric_rows(load_run(old), load_run(folder))}
+    rows = {(ch, name): (va, vb) for ch, name, va, vb, _ in numeric_rows(load_run(old), load_run(folder))}
     ratio = rows[("01_memory_profiling", "pr_kv_ratio")]
     assert ratio[0] == ratio[1] is not None
     assert not any("seed_" in name for _, name in rows)

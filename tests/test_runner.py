@@ -140,22 +140,32 @@ def test_bench_suite_writes_seconds_per_chapter(tmp_path, capsys):
 def test_the_machine_section_gathers_what_chapters_measured():
     from kit.execute.notebooks import add_measured_hardware
     from kit.measure.dtype_speed import hardware_figures
-    ch00 = {"results": {"hardware": hardware_figures(30e9, {"float32": 70e9, "bfloat16": 1e9})}}
-    ch04 = {"results": {"hardware": hardware_figures(20e9, {"bfloat16": 2e9, "float32": 70e9})}}
+    from kit.results import plain
+    chapters = {}
+    for name, copy, rates in (("00", 30e9, {"float32": 70e9, "bfloat16": 1e9}),
+                              ("04", 20e9, {"bfloat16": 2e9, "float32": 70e9})):
+        units = {}
+        chapters[name] = {"results": plain({"hardware": hardware_figures(copy, rates)}, units),
+                          "units": units}
+    ch00, ch04 = chapters["00"], chapters["04"]
     assert ch00["results"]["hardware"] == {"copy_GB_per_s": 30.0,
                                            "matmul_GFLOP_per_s.float32": 70.0,
                                            "matmul_GFLOP_per_s.bfloat16": 1.0,
                                            "speed_vs_float32.bfloat16": 1 / 70}
     assert ch04["results"]["hardware"]["speed_vs_float32.bfloat16"] == 2 / 70
-    machine = {"device": "cpu"}
-    add_measured_hardware(machine, "02_kv_cache", {"results": {"num_blocks": 3}})
-    assert "measured" not in machine  # a chapter that measured no hardware adds nothing
-    add_measured_hardware(machine, "00_setup_check", ch00)
-    add_measured_hardware(machine, "04_decode_timing", ch04)
+    machine, units = {"device": "cpu"}, {}
+    add_measured_hardware(machine, units, "02_kv_cache", {"results": {"num_blocks": 3}})
+    assert "measured" not in machine and not units  # no hardware measured, nothing added
+    add_measured_hardware(machine, units, "00_setup_check", ch00)
+    add_measured_hardware(machine, units, "04_decode_timing", ch04)
     assert machine["measured"]["measured_by"] == "00_setup_check"
     assert machine["measured"]["speed_vs_float32.bfloat16"] == 1 / 70  # the first one kept
+    assert units == {"machine.measured.copy_GB_per_s": "GB/s",
+                     "machine.measured.matmul_GFLOP_per_s.float32": "GFLOP/s",
+                     "machine.measured.matmul_GFLOP_per_s.bfloat16": "GFLOP/s",
+                     "machine.measured.speed_vs_float32.bfloat16": "ratio"}
     machine = {}
-    add_measured_hardware(machine, "04_decode_timing", ch04)  # a run without chapter 00
+    add_measured_hardware(machine, {}, "04_decode_timing", ch04)  # a run without chapter 00
     assert machine["measured"]["matmul_GFLOP_per_s.bfloat16"] == 2.0
 
 

@@ -30,6 +30,7 @@ from kit.engine.model import Decoder
 from kit.errors import ConfigError
 from kit.measure.device import synchronize
 from kit.measure.timing import StepClock
+from kit.units import Fraction, Number
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
 
@@ -263,8 +264,10 @@ class Correctness:
         return self.max_error <= self.tolerance
 
     def summary(self) -> dict:
-        return {"dtype": self.dtype, "tolerance": self.tolerance, "max_error": self.max_error,
-                "ok": self.ok, "token_agreement": self.token_agreement, "errors": self.errors}
+        return {"dtype": self.dtype, **Number.of({"tolerance": self.tolerance,
+                                                  "max_error": self.max_error}),
+                "ok": self.ok, "token_agreement": Fraction(self.token_agreement),
+                "errors": Number.of(self.errors)}
 
 
 def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:

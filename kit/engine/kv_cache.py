@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
 from kit.engine.kv_groups import KVGroup, group_size, kv_groups, layer_windows
 from kit.errors import ConfigError
+from kit.units import Bytes, Count, Ratio
 
 
 def memory_budget(capacity_bytes: int, gpu_memory_utilization: float) -> int:
@@ -187,13 +188,14 @@ class KVCacheSizing:
                 f"{self.max_concurrency:.2f}x")
 
     def summary(self) -> dict:
-        return {"bytes_per_token": self.spec.bytes_per_token,
-                "bytes_per_block": self.spec.bytes_per_block, "budget_bytes": self.budget_bytes,
-                "kv_cache_groups": len(self.spec.groups),
-                "blocks_per_request": self.blocks_per_request,
-                "num_blocks": self.num_blocks, "cache_bytes": self.cache_bytes,
-                "num_tokens": self.num_tokens, "max_concurrency": self.max_concurrency,
-                "log_line": self.log_line()}
+        return {**Bytes.of({"bytes_per_token": self.spec.bytes_per_token,
+                            "bytes_per_block": self.spec.bytes_per_block,
+                            "budget_bytes": self.budget_bytes}),
+                **Count.of({"kv_cache_groups": len(self.spec.groups),
+                            "blocks_per_request": self.blocks_per_request,
+                            "num_blocks": self.num_blocks}),
+                "cache_bytes": Bytes(self.cache_bytes), "num_tokens": Count(self.num_tokens),
+                "max_concurrency": Ratio(self.max_concurrency), "log_line": self.log_line()}
 
 
 def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,

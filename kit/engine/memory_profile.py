@@ -22,7 +22,7 @@ from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes
 from kit.measure.memory import cuda_usage, measure_allocations, non_torch_bytes
-from kit.units import GiB
+from kit.units import Bytes, Count, Fraction, GiB, Seconds
 
 # The chapter's two profiles, and the strategy that runs each one's profiling forward.
 PROFILES = {"eager": "eager", "compiled": "stock"}
@@ -66,11 +66,13 @@ class MemoryProfile:
         return self.budget_bytes - self.non_kv_cache_bytes
 
     def summary(self) -> dict:
-        keys = ("name", "device", "num_tokens", "num_seqs", "weights_bytes", "input_bytes",
-                "peak_activation_bytes", "non_torch_bytes", "capacity_bytes",
-                "gpu_memory_utilization", "budget_bytes", "kv_cache_bytes", "compile_seconds",
-                "forward_seconds")
-        return {k: getattr(self, k) for k in keys}
+        kinds = {"name": str, "device": str, "num_tokens": Count, "num_seqs": Count,
+                 "weights_bytes": Bytes, "input_bytes": Bytes, "peak_activation_bytes": Bytes,
+                 "non_torch_bytes": Bytes, "capacity_bytes": Bytes,
+                 "gpu_memory_utilization": Fraction, "budget_bytes": Bytes,
+                 "kv_cache_bytes": Bytes, "compile_seconds": Seconds, "forward_seconds": Seconds}
+        return {k: getattr(self, k) if kind is str else kind.of(getattr(self, k))
+                for k, kind in kinds.items()}
 
 
 def check_fits(settings: Settings) -> None:

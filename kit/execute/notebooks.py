@@ -24,7 +24,7 @@ from kit.errors import ConfigError
 from kit.execute.progress import Progress
 from kit.execute.runlog import LOG_NAME, RunLog
 from kit.execute.stored import CHAPTER_GLOB
-from kit.results import RUN_DIR_ENV, new_run_dir
+from kit.results import RUN_DIR_ENV, new_run_dir, plain
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
 
@@ -149,15 +149,20 @@ def print_summary(statuses: list[dict], run: Path) -> None:
     print(f"kernel output and logs: {run / LOG_NAME}")
 
 
-def add_measured_hardware(machine: dict, chapter: str, recorded: dict | None) -> None:
+def add_measured_hardware(machine: dict, units: dict, chapter: str,
+                          recorded: dict | None) -> None:
     """Into summary.json's machine section: what `chapter` measured of the hardware (its
     results' `hardware`, `kit.measure.dtype_speed.hardware_figures`), the first chapter to measure
-    a figure keeping it (chapter 00 measures every dtype)."""
+    a figure keeping it (chapter 00 measures every dtype); their units go into `units`."""
     measured = ((recorded or {}).get("results") or {}).get("hardware")
     if measured:
         section = machine.setdefault("measured", {})
         for key, value in measured.items():
-            section.setdefault(key, value)
+            if key not in section:
+                section[key] = value
+                unit = recorded.get("units", {}).get(f"hardware.{key}")
+                if unit:
+                    units[f"machine.measured.{key}"] = unit
         section.setdefault("measured_by", chapter)
 
 
@@ -178,7 +183,8 @@ def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summar
                 raise
             progress.finish(result_line(i, len(notebooks), status))
             summary["notebooks"].append(status)
-            add_measured_hardware(summary["machine"], nb.stem, status["recorded"])
+            add_measured_hardware(summary["machine"], summary["units"], nb.stem,
+                                  status["recorded"])
             summary["seconds"] = round(time.perf_counter() - t0, 2)
             (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
@@ -195,9 +201,11 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     run_path = new_run_dir(Path(out or Path.cwd() / "runs"), preset)
     os.environ[RUN_DIR_ENV] = str(run_path)
     from kit.measure.device import describe, versions
-    summary = {"preset": preset, "parameters": params, "settings": settings.as_dict(),
-               "machine": describe(settings.device), "versions": versions(), "log": LOG_NAME,
-               "notebooks": []}
+    units = {}  # the units of the settings' and the machine's numbers, by dotted name
+    summary = {"preset": preset, "parameters": params,
+               "settings": plain(settings.as_dict(), units, "settings"),
+               "machine": plain(describe(settings.device), units, "machine"),
+               "versions": versions(), "log": LOG_NAME, "notebooks": [], "units": units}
     nb_params = {nb: {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
                  for nb in notebooks}
     animate = progress and not verbose and sys.stdout.isatty()

@@ -13,6 +13,8 @@ from importlib import metadata
 
 import torch
 
+from kit.units import Bytes, Count
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """"bfloat16", "float16", "float32" -> the torch dtype."""
@@ -114,13 +116,13 @@ def cpu_kind() -> dict:
 
 def describe(device: str) -> dict:
     """The machine in a few fields, recorded with every run."""
-    info = {"device": device, "cpu": cpu_name(), "cpu_isa": cpu_isa(), "cpu_cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "physical_memory_bytes": physical_memory_bytes(), "gpu": None,
+    info = {"device": device, "cpu": cpu_name(), "cpu_isa": cpu_isa(),
+            "cpu_cores": Count.of(os.cpu_count()), "torch_threads": Count(torch.get_num_threads()),
+            "physical_memory_bytes": Bytes.of(physical_memory_bytes()), "gpu": None,
             "gpu_memory_bytes": None}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
-        info["gpu_memory_bytes"] = torch.cuda.mem_get_info()[1]
+        info["gpu_memory_bytes"] = Bytes(torch.cuda.mem_get_info()[1])
     return info
 
 

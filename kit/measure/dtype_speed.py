@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kit.measure.device import cpu_isa
 from kit.measure.throughput import Throughput, matmul_throughput
+from kit.units import GBPerSecond, GFlopPerSecond, Ratio
 
 # A 16-bit dtype whose matmuls run this many times slower than float32 is called slow here:
 # natively they run at least as fast (twice as fast with AVX512-BF16, far more with AMX or on a
@@ -38,9 +39,9 @@ class DtypeSpeed:
         return self.slowdown > SLOW_FACTOR
 
     def summary(self) -> dict:
-        return {"dtype": self.dtype, "gflops": self.flops_per_second / 1e9,
-                "float32_gflops": self.float32_flops_per_second / 1e9,
-                "speed_vs_float32": self.speed_vs_float32, "slow": self.slow}
+        return {"dtype": self.dtype, "gflops": GFlopPerSecond(self.flops_per_second / 1e9),
+                "float32_gflops": GFlopPerSecond(self.float32_flops_per_second / 1e9),
+                "speed_vs_float32": Ratio(self.speed_vs_float32), "slow": self.slow}
 
 
 def dtype_speeds(matmuls: dict[str, Throughput]) -> dict[str, DtypeSpeed]:
@@ -94,11 +95,12 @@ def hardware_figures(copy_rate: float | None, matmul_rates: dict[str, float]) ->
     gathers (`python -m kit run` reads this, never a chapter's own results): the copy in GB/s,
     matmuls in GFLOP/s per dtype, and each other dtype's `DtypeSpeed.speed_vs_float32` where float32's
     was measured too."""
-    out = {} if copy_rate is None else {"copy_GB_per_s": copy_rate / 1e9}
-    out.update({f"matmul_GFLOP_per_s.{d}": rate / 1e9 for d, rate in matmul_rates.items()})
+    out = {} if copy_rate is None else {"copy_GB_per_s": GBPerSecond(copy_rate / 1e9)}
+    out.update({f"matmul_GFLOP_per_s.{d}": GFlopPerSecond(rate / 1e9)
+                for d, rate in matmul_rates.items()})
     if "float32" in matmul_rates:
         f32 = matmul_rates["float32"]
-        out.update({f"speed_vs_float32.{d}": DtypeSpeed(d, rate, f32).speed_vs_float32
+        out.update({f"speed_vs_float32.{d}": Ratio(DtypeSpeed(d, rate, f32).speed_vs_float32)
                     for d, rate in matmul_rates.items() if d != "float32"})
     return out
 

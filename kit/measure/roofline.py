@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig
+from kit.units import Bytes, BytesPerSecond, Count, Flop, FlopPerByte, FlopPerSecond, Seconds
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,12 @@ class StepCost:
         return self.total_bytes / bandwidth
 
     def summary(self) -> dict:
-        return {"num_seqs": self.num_seqs, "weight_bytes": self.weight_bytes,
-                "kv_read_bytes": self.kv_read_bytes, "kv_write_bytes": self.kv_write_bytes,
-                "logits_bytes": self.logits_bytes, "total_bytes": self.total_bytes,
-                "flops": self.flops, "arithmetic_intensity": self.arithmetic_intensity}
+        return {"num_seqs": Count(self.num_seqs),
+                **Bytes.of({"weight_bytes": self.weight_bytes, "kv_read_bytes": self.kv_read_bytes,
+                            "kv_write_bytes": self.kv_write_bytes,
+                            "logits_bytes": self.logits_bytes, "total_bytes": self.total_bytes}),
+                "flops": Flop(self.flops),
+                "arithmetic_intensity": FlopPerByte(self.arithmetic_intensity)}
 
 
 def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int) -> int:
@@ -115,8 +118,13 @@ class DeviceLimits:
         return replace(self, bandwidth=statistics.median(samples), bandwidth_samples=samples)
 
     def summary(self) -> dict:
-        return {**self.__dict__, "bandwidth_min": min(self.bandwidth_samples),
-                "bandwidth_max": max(self.bandwidth_samples)}
+        rates = BytesPerSecond.of({"bandwidth": self.bandwidth,
+                                   "bandwidth_min": min(self.bandwidth_samples),
+                                   "bandwidth_max": max(self.bandwidth_samples),
+                                   "bandwidth_samples": self.bandwidth_samples})
+        return {**self.__dict__, "copy_bytes": Bytes(self.copy_bytes),
+                "copy_seconds": Seconds(self.copy_seconds), "matmul_size": Count(self.matmul_size),
+                "matmul_flops_per_second": FlopPerSecond(self.matmul_flops_per_second), **rates}
 
 
 def measure_limits(device: str, dtype: str) -> DeviceLimits:

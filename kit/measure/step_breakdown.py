@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kit.measure.device import synchronize
+from kit.units import Bytes, BytesPerSecond, Count, Fraction, Seconds
 
 # Event names of the products with the weights: ATen's and oneDNN's on the CPU (a linear is
 # aten::mm or aten::addmm; Inductor calls the prepacked oneDNN linear as
@@ -68,11 +69,14 @@ class StepBreakdown:
         return self.gemm_weight_bytes / (share * step_seconds) if self.gemm_seconds else None
 
     def summary(self) -> dict:
-        return {"strategy": self.strategy, "steps": self.steps, "device": self.device,
-                "profiled_seconds": self.profiled_seconds, "gemm_seconds": self.gemm_seconds,
-                "sampling_seconds": self.sampling_seconds, "other_seconds": self.other_seconds,
-                "gemm_weight_bytes": self.gemm_weight_bytes, "gemm_bandwidth": self.gemm_bandwidth,
-                "shares": self.shares()}
+        return {"strategy": self.strategy, "steps": Count(self.steps), "device": self.device,
+                **Seconds.of({"profiled_seconds": self.profiled_seconds,
+                              "gemm_seconds": self.gemm_seconds,
+                              "sampling_seconds": self.sampling_seconds,
+                              "other_seconds": self.other_seconds}),
+                "gemm_weight_bytes": Bytes.of(self.gemm_weight_bytes),
+                "gemm_bandwidth": BytesPerSecond.of(self.gemm_bandwidth),
+                "shares": Fraction.of(self.shares())}
 
 
 def self_seconds(event, device: str) -> float:

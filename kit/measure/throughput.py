@@ -17,7 +17,8 @@ import torch
 
 from kit.measure.device import torch_dtype
 from kit.measure.timing import Timings, time_fn
-from kit.units import GiB, MiB
+from kit.units import (Bytes, BytesPerSecond, Count, FlopPerSecond, GiB, MiB,
+                       Seconds)
 
 BUDGET_SECONDS = 1.0
 MIN_REPEATS = 3
@@ -52,10 +53,12 @@ class Throughput:
         return self.sizing_seconds + sum(self.timings.seconds)
 
     def summary(self) -> dict:
-        return {"what": self.what, "device": self.device, "dtype": self.dtype, "size": self.size,
-                "rate": self.rate, "median_s": self.timings.median,
-                "spread_s": self.timings.spread, "repeats": len(self.timings.seconds),
-                "probe_seconds": self.seconds}
+        copy = self.what == "copy"
+        return {"what": self.what, "device": self.device, "dtype": self.dtype,
+                "size": (Bytes if copy else Count)(self.size),
+                "rate": (BytesPerSecond if copy else FlopPerSecond)(self.rate),
+                "median_s": Seconds(self.timings.median), "spread_s": Seconds(self.timings.spread),
+                "repeats": Count(len(self.timings.seconds)), "probe_seconds": Seconds(self.seconds)}
 
 
 def fit_size(make_call, start: int, limit: int, exponent: int, device: str, target: float,

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from kit.units import fmt_bytes_exact
+from kit.units import fmt_quantity
 
 CSS = """
 body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", sans-serif;
@@ -48,25 +48,22 @@ def flatten(results: dict, prefix: str = "") -> dict:
     return out
 
 
+def units_under(units: dict, prefix: str) -> dict:
+    """The units recorded under `prefix.` (a run's `settings.` or `machine.`), by the rest of
+    their names."""
+    return {k[len(prefix) + 1:]: u for k, u in units.items() if k.startswith(prefix + ".")}
+
+
 def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def fmt(name: str, value) -> str:
-    """A recorded value for people: bytes also in MiB/GiB, seconds in s or ms."""
+def fmt(value, unit: str | None = None) -> str:
+    """A recorded value for people, in the unit it was recorded with (`kit.units`)."""
     if isinstance(value, bool) or value is None:
         return {True: "yes", False: "no", None: "–"}[value]
     if is_number(value):
-        if name.endswith(("_bytes", "memory")) and abs(value) >= 1024:
-            return fmt_bytes_exact(value)
-        if name.endswith("_GB_per_s"):  # a rate, not seconds
-            return f"{value:,.3g} GB/s"
-        if name.endswith(("_seconds", "_s")) and not name.endswith("_per_s"):
-            if abs(value) < 1:
-                return f"{value * 1e3:.3g} ms"
-            return f"{value:.3g} s" if abs(value) < 100 else f"{value:,.0f} s"
-        # counts exact; measurements to four figures, about what a noisy machine gives
-        return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+        return fmt_quantity(value, unit)
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= 160 else text[:157] + "…"
 
@@ -87,9 +84,11 @@ def table(rows: list[list], head: list[str], row_class=None, numeric=()) -> str:
     return "".join(out) + "</tbody></table>"
 
 
-def key_values(mapping: dict) -> str:
-    return table([[f"<code>{esc(k)}</code>", esc(fmt(k, v))] for k, v in mapping.items()],
-                 ["name", "value"])
+def key_values(mapping: dict, units: dict | None = None) -> str:
+    """Name and value rows; `units`: each name's unit, as recorded."""
+    units = units or {}
+    return table([[f"<code>{esc(k)}</code>", esc(fmt(v, units.get(k)))]
+                  for k, v in mapping.items()], ["name", "value"])
 
 
 class Figures:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from kit.errors import ConfigError
 from kit.pages.findings import findings
-from kit.pages.html import Figures, esc, fmt, flatten, is_number, key_values, page, table
+from kit.pages.html import (Figures, esc, fmt, flatten, is_number, key_values, page, table,
+                            units_under)
 from kit.pages.notebook_page import notebook_pages
 from kit.results import current_names
 
@@ -121,7 +122,8 @@ def notebook_section(folder: Path, nb: dict, link: str | None, figs: Figures) ->
     results = flatten(rec.get("results", {}))
     if results:
         parts += [f"<details{' open' if len(results) <= 40 else ''}><summary>Results "
-                  f"({len(results)} recorded)</summary>", key_values(results), "</details>"]
+                  f"({len(results)} recorded)</summary>", key_values(results, rec.get("units")),
+                  "</details>"]
     paths = figures_of(folder, nb["notebook"])
     if paths:
         parts.append("<h3>Figures</h3>")
@@ -147,7 +149,7 @@ def render_report(folder, links: dict | None = None) -> str:
     figs = Figures()
     nav = " ".join(f'<a href="#{esc(nb["notebook"])}" class="{"ok" if nb["ok"] else "fail"}">'
                    f'{esc(nb["notebook"])}</a>' for nb in notebooks)
-    params = run.get("parameters") or {}
+    params, units = run.get("parameters") or {}, run.get("units", {})
     body = [f"<h1>Run {esc(folder.name)}</h1>",
             f'<p class="sub">preset <code>{esc(run.get("preset"))}</code> · device '
             f'<code>{esc(run.get("machine", {}).get("device"))}</code> · '
@@ -156,9 +158,10 @@ def render_report(folder, links: dict | None = None) -> str:
             status_banner(notebooks), findings_section(notebooks), f"<nav>{nav}</nav>",
             "<h2>Parameters</h2>",
             f"<p>Overrides of the preset: {esc(params) if params else 'none'}.</p>",
-            key_values(run.get("settings", {})),
+            key_values(run.get("settings", {}), units_under(units, "settings")),
             "<h2>Machine and versions</h2>", '<div class="pair"><div>',
-            key_values(flatten(run.get("machine", {}))), "</div><div>",
+            key_values(flatten(run.get("machine", {})), units_under(units, "machine")),
+            "</div><div>",
             key_values(run.get("versions", {})), "</div></div>"]
     body += [notebook_section(folder, nb, links.get(nb["notebook"]), figs) for nb in notebooks]
     return page(f"Run {folder.name}", "".join(body), figs.count > 0)
@@ -188,17 +191,23 @@ def write_report_safely(folder) -> Path | None:
 
 # ---------------------------------------------------------------- two runs side by side
 
-def numeric_rows(a: dict, b: dict) -> list[tuple[str, str, object, object]]:
-    """(chapter, name, A, B) for every recorded number of either run."""
+def recorded_of(run: dict, chapter: str) -> dict:
+    return next((nb["recorded"] for nb in run["notebooks"] if nb["notebook"] == chapter), {})
+
+
+def numeric_rows(a: dict, b: dict) -> list[tuple[str, str, object, object, str | None]]:
+    """(chapter, name, A, B, unit) for every recorded number of either run (the unit B's
+    record gives, else A's)."""
     rows = []
     chapters = list(dict.fromkeys([nb["notebook"] for nb in a["notebooks"] + b["notebooks"]]))
     for chapter in chapters:
-        ra, rb = (flatten(next((nb["recorded"]["results"] for nb in run["notebooks"]
-                                if nb["notebook"] == chapter), {})) for run in (a, b))
+        rec_a, rec_b = recorded_of(a, chapter), recorded_of(b, chapter)
+        ra, rb = flatten(rec_a.get("results", {})), flatten(rec_b.get("results", {}))
+        units = {**rec_a.get("units", {}), **rec_b.get("units", {})}
         for name in dict.fromkeys([*ra, *rb]):
             va, vb = ra.get(name), rb.get(name)
             if is_number(va) or is_number(vb):
-                rows.append((chapter, name, va, vb))
+                rows.append((chapter, name, va, vb, units.get(name)))
     return rows
 
 
@@ -206,9 +215,10 @@ def ratio(va, vb) -> float | None:
     return vb / va if is_number(va) and is_number(vb) and va != 0 else None
 
 
-def side_by_side(title: str, a: dict, b: dict) -> str:
-    keys = list(dict.fromkeys([*a, *b]))
-    rows = [[f"<code>{esc(k)}</code>", esc(fmt(k, a.get(k))), esc(fmt(k, b.get(k)))] for k in keys]
+def side_by_side(title: str, a: dict, b: dict, units: dict | None = None) -> str:
+    keys, units = list(dict.fromkeys([*a, *b])), units or {}
+    rows = [[f"<code>{esc(k)}</code>", esc(fmt(a.get(k), units.get(k))),
+             esc(fmt(b.get(k), units.get(k)))] for k in keys]
     return f"<h3>{esc(title)}</h3>" + table(
         rows, ["name", "A", "B"], row_class=lambda i: "diff" if a.get(keys[i]) != b.get(keys[i]) else "")
 
@@ -226,7 +236,8 @@ def render_compare(folder_a, folder_b) -> str:
                 f'<span class="{"ok" if nb["ok"] else "fail"}">{"ok" if nb["ok"] else "FAILED"}'
                 f'</span> {sum(c["ok"] for c in checks)}/{len(checks)} checks, {nb.get("seconds", 0):.1f} s')
     rows = numeric_rows(a, b)
-    ratios = [ratio(va, vb) for _, _, va, vb in rows]
+    ratios = [ratio(va, vb) for _, _, va, vb, _ in rows]
+    units = {**a.get("units", {}), **b.get("units", {})}
     body = [f"<h1>{esc(name_a)} vs {esc(name_b)}</h1>",
             f'<p class="sub">A = <code>{esc(a["folder"])}</code><br>B = <code>{esc(b["folder"])}</code>'
             "<br>Rows that differ are highlighted (numbers: by more than 1%); ratios are B ÷ A."
@@ -237,13 +248,15 @@ def render_compare(folder_a, folder_b) -> str:
             "<h2>What differs</h2>",
             side_by_side("Parameters", {"preset": a.get("preset"), **(a.get("parameters") or {})},
                          {"preset": b.get("preset"), **(b.get("parameters") or {})}),
-            side_by_side("Settings", a.get("settings", {}), b.get("settings", {})),
-            side_by_side("Machine", flatten(a.get("machine", {})), flatten(b.get("machine", {}))),
+            side_by_side("Settings", a.get("settings", {}), b.get("settings", {}),
+                         units_under(units, "settings")),
+            side_by_side("Machine", flatten(a.get("machine", {})), flatten(b.get("machine", {})),
+                         units_under(units, "machine")),
             side_by_side("Versions", a.get("versions", {}), b.get("versions", {})),
             f"<h2>Recorded numbers ({len(rows)})</h2>",
-            table([[esc(ch), f"<code>{esc(n)}</code>", esc(fmt(n, va)), esc(fmt(n, vb)),
+            table([[esc(ch), f"<code>{esc(n)}</code>", esc(fmt(va, u)), esc(fmt(vb, u)),
                     "–" if r is None else f"{r:.4g}×"]
-                   for (ch, n, va, vb), r in zip(rows, ratios)],
+                   for (ch, n, va, vb, u), r in zip(rows, ratios)],
                   ["chapter", "result", "A", "B", "B ÷ A"], numeric={2, 3, 4},
                   row_class=lambda i: "diff" if ratios[i] is not None and abs(ratios[i] - 1) > 0.01
                   else ""),

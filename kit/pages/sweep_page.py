@@ -65,6 +65,11 @@ def varying_numbers(points: list[dict]) -> dict[str, list]:
     return {n: v for n, v in values.items() if len({x for x in v if x is not None}) > 1}
 
 
+def units_of(points: list[dict]) -> dict:
+    """The units the points recorded, by `<chapter>.<dotted name>`."""
+    return {n: u for p in points for n, u in (p.get("units") or {}).items()}
+
+
 def constant_numbers(points: list[dict]) -> dict:
     ran = [p for p in points if p.get("results")]
     if not ran:
@@ -115,12 +120,13 @@ def findings_section(sweep: dict, shown: int = 8) -> str:
     moved = {n: v for n, v in varying_numbers(ran).items() if all(map(is_number, v))}
     if not moved:
         return ""
-    rows = []
+    rows, units = [], units_of(ran)
     for name, values in list(moved.items())[:shown]:
         lo, hi = (min(zip(values, ran), key=lambda vp: vp[0] * sign) for sign in (1, -1))
         ratio = f"{hi[0] / lo[0]:.3g}×" if lo[0] > 0 else "–"
-        rows.append([f"<code>{esc(name)}</code>", f"<b>{esc(fmt(name, lo[0]))}</b> at "
-                     f"{esc(where(lo[1]))}", f"<b>{esc(fmt(name, hi[0]))}</b> at "
+        unit = units.get(name)
+        rows.append([f"<code>{esc(name)}</code>", f"<b>{esc(fmt(lo[0], unit))}</b> at "
+                     f"{esc(where(lo[1]))}", f"<b>{esc(fmt(hi[0], unit))}</b> at "
                      f"{esc(where(hi[1]))}", ratio])
     more = (f"<p class=\"sub\">and {len(moved) - shown} more, in the figures below</p>"
             if len(moved) > shown else "")
@@ -205,7 +211,7 @@ def figures(sweep: dict, figs: Figures) -> str:
     constant = constant_numbers(ran)
     if constant:
         out += [f"<details><summary>Numbers the same at every point ({len(constant)})</summary>",
-                key_values(constant), "</details>"]
+                key_values(constant, units_of(ran)), "</details>"]
     return "".join(out)
 
 

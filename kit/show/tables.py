@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 
-from kit.units import MiB, fmt_bytes, fmt_bytes_exact, fmt_flops
+from kit.units import Bytes, MiB, fmt_bytes, fmt_bytes_exact, fmt_flops
 
 
 # The column beside the measured numbers: the pull request the kit is built around.
@@ -46,9 +46,9 @@ def model_table(settings, *names: str) -> Table:
            "heads / KV heads": f"{a.num_attention_heads} / {a.num_key_value_heads}",
            "head_dim": a.head_dim, "parameters": f"{a.num_parameters():,}",
            "dtype": settings.dtype, "device": settings.device}
-    values = {n: getattr(settings, n) for n in names}
-    row.update({n: fmt_bytes(v) if n.endswith("_bytes") and v is not None else v
-                for n, v in values.items()})
+    values = settings.as_dict()  # typed: sizes are `Bytes`
+    row.update({n: fmt_bytes(values[n]) if isinstance(values[n], Bytes) else values[n]
+                for n in names})
     return Table([row])
 
 
@@ -77,8 +77,8 @@ class Verdict:
 def machine_table(machine: dict, versions: dict) -> Table:
     """The machine and the software, one row per field (the ISA has its own table)."""
     fields = {k: v for k, v in {**machine, **versions}.items() if k != "cpu_isa"}
-    return Table([{"what": k, "value": fmt_bytes_exact(v) if k.endswith("_bytes")
-                   and isinstance(v, int) else v} for k, v in fields.items()])
+    return Table([{"what": k, "value": fmt_bytes_exact(v) if isinstance(v, Bytes) else v}
+                  for k, v in fields.items()])
 
 
 def isa_table(isa: dict) -> Table:

@@ -26,6 +26,7 @@ from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
 from kit.engine.serving_trace import decode_batch_sizes
 from kit.errors import ConfigError
+from kit.units import Bytes, Count, Fraction, Number, Ratio, Seconds, typed
 from kit.measure.device import capacity_bytes
 from kit.measure.memory import cuda_usage
 from kit.measure.timing import (cache_lookup_seconds, interleaved_timings, paired_difference,
@@ -134,12 +135,23 @@ class PlanResult:
         return None if self.max_rel_diff is None else self.max_rel_diff <= self.tolerance
 
     def row(self) -> dict:
-        """The table row (JSON-ready)."""
+        """The table row (JSON-ready), its numbers typed."""
         out = asdict(self)
         out.update(guards_total=self.guards_total, overhead_fraction=self.overhead_fraction,
                    overhead_best_fraction=self.overhead_best_fraction,
                    matches_eager=self.matches_eager)
-        return out
+        return typed(out, PLAN_QUANTITIES)
+
+
+PLAN_QUANTITIES = {
+    Seconds: ("profile_compile_seconds", "compile_seconds", "forward_seconds", "forward_spread",
+              "forward_best_seconds", "direct_seconds", "direct_best_seconds",
+              "dynamo_overhead_seconds", "dynamo_overhead_best_seconds", "cache_lookup_seconds"),
+    Bytes: ("peak_activation_bytes", "non_torch_bytes", "kv_cache_bytes"),
+    Count: ("num_blocks", "cache_entries", "guards", "graphs_compiled", "recompiles",
+            "guards_total"),
+    Number: ("max_abs_diff", "max_rel_diff", "tolerance"),
+    Fraction: ("overhead_fraction", "overhead_best_fraction")}
 
 
 @dataclass
@@ -162,11 +174,13 @@ class Comparison:
     def as_dict(self) -> dict:
         return {"preset": self.settings.preset, "device": self.settings.device,
                 "model": self.settings.model, "dtype": self.settings.dtype,
-                "decode_batch_size": self.decode_batch_size,
-                "step_batch_sizes": self.step_batch_sizes,
-                "bytes_per_block": self.bytes_per_block, "weights_bytes": self.weights_bytes,
-                "budget_bytes": self.budget_bytes, "timing_rounds": self.timing_rounds,
-                "timing_calls": self.timing_calls, "torch": torch.__version__,
+                **Count.of({"decode_batch_size": self.decode_batch_size,
+                            "step_batch_sizes": self.step_batch_sizes,
+                            "timing_rounds": self.timing_rounds,
+                            "timing_calls": self.timing_calls}),
+                **Bytes.of({"bytes_per_block": self.bytes_per_block,
+                            "weights_bytes": self.weights_bytes,
+                            "budget_bytes": self.budget_bytes}), "torch": torch.__version__,
                 "plans": self.rows()}
 
 
@@ -309,8 +323,9 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
     for runner in runners.values():
         runner.discard()
     direct = timings["graph called directly"]
-    return {name: {"seconds": per_round_best(t).median, "best_seconds": min(per_round_best(t).seconds),
-                   "over_direct_seconds": paired_difference(t, direct)}
+    return {name: Seconds.of({"seconds": per_round_best(t).median,
+                              "best_seconds": min(per_round_best(t).seconds),
+                              "over_direct_seconds": paired_difference(t, direct)})
             for name, t in timings.items()}
 
 
@@ -349,8 +364,9 @@ def overhead_target(comparison: Comparison, plan: str = "guard_free") -> dict:
     res = comparison.results.get(plan)
     if res is None or res.overhead_fraction is None:
         return {"plan": plan, "measured": False}
-    return {"plan": plan, "target_fraction": OVERHEAD_TARGET,
-            "median_fraction": res.overhead_fraction, "best_fraction": res.overhead_best_fraction,
+    return {"plan": plan, **Fraction.of({"target_fraction": OVERHEAD_TARGET,
+                                         "median_fraction": res.overhead_fraction,
+                                         "best_fraction": res.overhead_best_fraction}),
             "met_median": res.overhead_fraction <= OVERHEAD_TARGET,
             "met_best": res.overhead_best_fraction <= OVERHEAD_TARGET}
 
@@ -361,8 +377,8 @@ def pr_ratios(comparison: Comparison) -> dict:
     (4 ÷ 2)."""
     pr, r = reference("pr7796"), comparison.results
     p3, p4, stock = r["profile_eager"], r["profile_compiled_discard"], r["stock"]
-    return {"pr_blocks_ratio":
-            pr["kv_blocks_profile_compiled"] / pr["kv_blocks_profile_eager"],
-            "measured_blocks_ratio": p4.num_blocks / p3.num_blocks,
-            "pr_step_ratio": pr["decode_step_ms_after"] / pr["decode_step_ms_before"],
-            "measured_step_ratio": p4.forward_seconds / stock.forward_seconds}
+    return Ratio.of({
+        "pr_blocks_ratio": pr["kv_blocks_profile_compiled"] / pr["kv_blocks_profile_eager"],
+        "measured_blocks_ratio": p4.num_blocks / p3.num_blocks,
+        "pr_step_ratio": pr["decode_step_ms_after"] / pr["decode_step_ms_before"],
+        "measured_step_ratio": p4.forward_seconds / stock.forward_seconds})

@@ -35,7 +35,8 @@ from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
-from kit.units import GiB, fmt_flops
+from kit.units import (Bytes, Count, FlopPerSecond, GiB, Number, Percent, Ratio, Seconds,
+                       TokensPerSecond, fmt_flops)
 
 BREAKDOWN_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
 RESAMPLE_SECONDS = 0.5  # the copy measured again after each round of timed runs
@@ -111,16 +112,18 @@ class StrategyTiming:
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "prefill": self.prefill,
-                "compile_seconds": self.compile_seconds,
-                "warmup_seconds": self.warmup_seconds, "graphs_compiled": self.graphs_compiled,
-                "guards": self.guards, "prefill_seconds": self.prefill_seconds,
-                "median_step_seconds": self.median, "p10_step_seconds": self.p10,
-                "p90_step_seconds": self.p90, "spread_seconds": self.spread,
-                "end_to_end_seconds": self.end_to_end_seconds,
-                "tokens_per_second": self.tokens_per_second,
-                "percent_of_floor": self.percent_of_floor, "step_seconds": self.step_seconds,
-                "floor_seconds": self.floor_seconds, "runs_step_seconds": self.runs,
-                "runs_prefill_seconds": self.prefills,
+                "graphs_compiled": Count.of(self.graphs_compiled), "guards": Count.of(self.guards),
+                **Seconds.of({"compile_seconds": self.compile_seconds,
+                              "warmup_seconds": self.warmup_seconds,
+                              "prefill_seconds": self.prefill_seconds,
+                              "median_step_seconds": self.median, "p10_step_seconds": self.p10,
+                              "p90_step_seconds": self.p90, "spread_seconds": self.spread,
+                              "end_to_end_seconds": self.end_to_end_seconds,
+                              "step_seconds": self.step_seconds,
+                              "floor_seconds": self.floor_seconds, "runs_step_seconds": self.runs,
+                              "runs_prefill_seconds": self.prefills}),
+                "tokens_per_second": TokensPerSecond.of(self.tokens_per_second),
+                "percent_of_floor": Percent.of(self.percent_of_floor),
                 "correctness": self.correctness.summary() if self.correctness else None,
                 "breakdown": self.breakdown.summary() if self.breakdown else None}
 
@@ -212,7 +215,7 @@ class CacheFit:
     budget_blocks: int
 
     def summary(self) -> dict:
-        return dict(self.__dict__)
+        return {**Count.of(self.__dict__), "budget_bytes": Bytes(self.budget_bytes)}
 
 
 def check_request(settings: Settings) -> None:
@@ -324,9 +327,9 @@ class DecodeReport:
             return None
         best = min(compiled, key=lambda t: t.median)
         eager, summed = self.timings["eager"].median, self.eager_summed.median
-        return {"eager_matmuls_seconds": eager, "eager_summed_seconds": summed,
-                "best_compiled": best.strategy, "best_compiled_seconds": best.median,
-                "form_buys": eager / summed, "compiler_buys": summed / best.median}
+        return {"eager_matmuls_seconds": Seconds(eager), "eager_summed_seconds": Seconds(summed),
+                "best_compiled": best.strategy, "best_compiled_seconds": Seconds(best.median),
+                "form_buys": Ratio(eager / summed), "compiler_buys": Ratio(summed / best.median)}
 
     def hardware(self) -> dict:
         """The copy and the matmuls measured here (float32's too in a 16-bit run), as every
@@ -349,20 +352,21 @@ class DecodeReport:
     def summary(self) -> dict:
         s = self.settings
         return {"settings": s.as_dict(), "model": s.arch.name, "device": s.device,
-                "batch_size": s.batch_size, "input_len": s.input_len, "output_len": s.output_len,
+                **Count.of({"batch_size": s.batch_size, "input_len": s.input_len,
+                            "output_len": s.output_len}),
                 "cache_fit": self.fit.summary(), "limits": self.limits.summary(),
                 "median_step_cost": self.median_cost.summary(),
-                "floor_seconds": self.floor_seconds,
-                "compute_floor_seconds": self.compute_floor_seconds,
-                "compute_rate": self.compute_rate,
-                "mixed_lengths": {"prompt_lens": self.mixed_lens, **self.mixed.summary()},
+                "floor_seconds": Seconds.of(self.floor_seconds),
+                "compute_floor_seconds": Seconds.of(self.compute_floor_seconds),
+                "compute_rate": FlopPerSecond(self.compute_rate),
+                "mixed_lengths": {"prompt_lens": Count.of(self.mixed_lens), **self.mixed.summary()},
                 "strategies": {k: t.summary() for k, t in self.timings.items()},
                 "dtype_speed": self.dtype_speed.summary() if self.dtype_speed else None,
                 "eager_summed": self.eager_summed.summary() if self.eager_summed else None,
                 "form_and_compiler": self.form_and_compiler(),
                 "best_strategy": self.best().strategy, "hardware": self.hardware(),
                 "machine": self.machine,
-                "load_average": self.load_average}
+                "load_average": Number.of(self.load_average)}
 
 
 def run_decode(settings: Settings, progress=print, recorded: dict | None = None) -> DecodeReport:
@@ -444,7 +448,8 @@ def pr_ratios(timings: dict[str, StrategyTiming]) -> dict:
     if "stock" not in timings or "guard_free" not in timings:
         return {}
     pr, stock, free = reference("pr7796"), timings["stock"], timings["guard_free"]
-    return {"step_stock_over_guard_free": stock.median / free.median,
-            "e2e_stock_over_guard_free": stock.end_to_end_seconds / free.end_to_end_seconds,
-            "pr_step_ratio": pr["decode_step_ms_before"] / pr["decode_step_ms_after"],
-            "pr_e2e_ratio": pr["e2e_latency_s_before"] / pr["e2e_latency_s_after"]}
+    return Ratio.of({
+        "step_stock_over_guard_free": stock.median / free.median,
+        "e2e_stock_over_guard_free": stock.end_to_end_seconds / free.end_to_end_seconds,
+        "pr_step_ratio": pr["decode_step_ms_before"] / pr["decode_step_ms_after"],
+        "pr_e2e_ratio": pr["e2e_latency_s_before"] / pr["e2e_latency_s_after"]})

@@ -13,6 +13,7 @@ from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
                                  estimate_activation_bytes, in_flight_tokens, size_kv_cache,
                                  split_budget)
 from kit.errors import ConfigError
+from kit.units import Bytes, Count, Ratio
 
 # The calculator's layer patterns: every n-th layer full attention, the rest sliding (0: the
 # model's own layers, 1: every layer full, None: every layer sliding).
@@ -66,9 +67,9 @@ def windowed_and_full(arch: ModelConfig, budget_bytes: int, lengths: list[int],
                       **how) -> dict[str, list]:
     """The lesson of sliding windows: `concurrency_curve` as the model is, and with every
     layer full attention (`how`: block_size, dtype, in_flight)."""
-    return {"as configured": concurrency_curve(arch, budget_bytes, lengths, **how),
-            "all full attention": concurrency_curve(with_layer_pattern(arch, 1), budget_bytes,
-                                                    lengths, **how)}
+    return Ratio.of({"as configured": concurrency_curve(arch, budget_bytes, lengths, **how),
+                     "all full attention": concurrency_curve(with_layer_pattern(arch, 1),
+                                                             budget_bytes, lengths, **how)})
 
 
 # The lesson's setting (issue 23's measurement with vLLM 0.32): an 8 GiB cache in bf16, block
@@ -154,12 +155,12 @@ class PRArithmetic:
         return (self.here_blocks["compiled"] - self.here_blocks["eager"]) * self.bytes_per_block
 
     def summary(self) -> dict:
-        return {"pr_bytes_per_block": self.gemma.bytes_per_block,
-                "pr_compiled_kv_bytes": self.pr_bytes("compiled"),
-                "pr_eager_kv_bytes": self.pr_bytes("eager"),
-                "pr_eager_extra_activation_bytes": self.pr_extra_bytes,
-                "blocks_eager_profile": self.here_blocks["eager"],
-                "blocks_compiled_profile": self.here_blocks["compiled"]}
+        return {**Bytes.of({"pr_bytes_per_block": self.gemma.bytes_per_block,
+                            "pr_compiled_kv_bytes": self.pr_bytes("compiled"),
+                            "pr_eager_kv_bytes": self.pr_bytes("eager"),
+                            "pr_eager_extra_activation_bytes": self.pr_extra_bytes}),
+                "blocks_eager_profile": Count(self.here_blocks["eager"]),
+                "blocks_compiled_profile": Count(self.here_blocks["compiled"])}
 
 
 def pr_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> PRArithmetic:

@@ -9,15 +9,16 @@ from dataclasses import dataclass
 from kit.config import ModelConfig, Settings, reference
 from kit.engine.kv_cache import KVCacheSpec
 from kit.engine.memory_profile import MemoryProfile
-from kit.units import parse_bytes
+from kit.units import Bytes, Count, Fraction, Ratio, parse_bytes
 
 
 def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dict:
     """The KV cache each profile leaves, in blocks of `block_size` tokens (chapter 02's unit:
     vLLM's num_gpu_blocks); none when a profile leaves nothing."""
     per_block = KVCacheSpec.from_settings(settings).bytes_per_block
-    return {**{name: max(0, p.kv_cache_bytes) // per_block for name, p in profiles.items()},
-            "block_size": settings.block_size, "bytes_per_block": per_block}
+    return {**{name: Count(max(0, p.kv_cache_bytes) // per_block)
+               for name, p in profiles.items()},
+            "block_size": Count(settings.block_size), "bytes_per_block": Bytes(per_block)}
 
 
 @dataclass
@@ -48,14 +49,14 @@ class VersusPR:
         return (compiled - eager) / eager
 
     def summary(self) -> dict:
-        return {"kv_ratio_compiled_over_eager": self.kv_ratio,
-                "activation_ratio_compiled_over_eager": self.activation_ratio,
-                "pr_kv_ratio": self.pr_kv_ratio,
-                "eager_extra_activation_bytes": self.extra_bytes,
-                "eager_extra_over_eager_kv": self.extra_over_eager_kv,
-                "pr_eager_extra_over_eager_kv": self.pr_extra_over_eager_kv,
-                "weights_share_of_capacity": self.weights_share,
-                "pr_weights_share_of_capacity": self.pr_weights_share}
+        return {**Ratio.of({"kv_ratio_compiled_over_eager": self.kv_ratio,
+                            "activation_ratio_compiled_over_eager": self.activation_ratio,
+                            "pr_kv_ratio": self.pr_kv_ratio,
+                            "eager_extra_over_eager_kv": self.extra_over_eager_kv,
+                            "pr_eager_extra_over_eager_kv": self.pr_extra_over_eager_kv}),
+                "eager_extra_activation_bytes": Bytes(self.extra_bytes),
+                **Fraction.of({"weights_share_of_capacity": self.weights_share,
+                               "pr_weights_share_of_capacity": self.pr_weights_share})}
 
 
 def versus_pr(profiles: dict[str, MemoryProfile]) -> VersusPR:

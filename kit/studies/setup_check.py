@@ -13,7 +13,7 @@ from kit.measure.device import synchronize
 from kit.measure.memory import probe_measurement
 from kit.measure.dtype_speed import hardware_figures
 from kit.measure.throughput import MATMUL_DTYPES, Throughput, copy_bandwidth, matmul_throughput
-from kit.units import MiB
+from kit.units import Bytes, MiB, Seconds
 
 PROBE_BYTES = 64 * MiB
 
@@ -58,8 +58,9 @@ class Probes:
     matmuls: dict[str, Throughput]
 
     def summary(self) -> dict:
-        return {"probe_bytes": self.probe_bytes, "probe_seen_bytes": self.seen_bytes,
-                "probe_compile_seconds": self.compile_seconds,
+        return {"probe_bytes": Bytes(self.probe_bytes),
+                "probe_seen_bytes": Bytes.of(self.seen_bytes),
+                "probe_compile_seconds": Seconds.of(self.compile_seconds),
                 "copy": self.copy.summary(),
                 "matmul": {k: m.summary() for k, m in self.matmuls.items()},
                 "hardware": hardware_figures(self.copy.rate,

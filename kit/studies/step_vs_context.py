@@ -22,6 +22,7 @@ from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.timing import StepClock
+from kit.units import Count, Seconds
 
 STEPS = 4  # decode steps timed per round
 
@@ -41,8 +42,8 @@ class ContextCurve:
         return [statistics.median(self.steps[n]) for n in self.lengths]
 
     def summary(self) -> dict:
-        return {"label": self.label, "lengths": self.lengths, "median_seconds": self.medians,
-                "floor_seconds": self.floors}
+        return {"label": self.label, "lengths": Count.of(self.lengths),
+                **Seconds.of({"median_seconds": self.medians, "floor_seconds": self.floors})}
 
 
 def variants(arch, window: int) -> dict[str, object]:

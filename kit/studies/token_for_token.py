@@ -22,6 +22,7 @@ from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model
 from kit.vllm.greedy import greedy_from_checkpoint
 from kit.vllm.model_folder import MODELS_CACHE, cached_model_folder
+from kit.units import Count, Fraction, Number
 
 CHECKPOINTS = MODELS_CACHE.parent / "checkpoints"
 BLOCK_SIZE = 128  # vLLM's CPU attention takes multiples of 32; the kit's decode any size
@@ -58,6 +59,12 @@ class TokenStep:
     @property
     def agree(self) -> bool:
         return self.kit_token == self.vllm_token
+
+    def summary(self) -> dict:
+        return {**Count.of({"seq": self.seq, "step": self.step, "kit_token": self.kit_token,
+                            "vllm_token": self.vllm_token}),
+                **Number.of({"kit_logprob": self.kit_logprob, "vllm_logprob": self.vllm_logprob,
+                             "margin": self.margin}), "agree": self.agree}
 
 
 @dataclass
@@ -96,9 +103,10 @@ class TokenComparison:
         seqs = sorted({s.seq for s in self.steps})
         return {"dtype": self.dtype, "checkpoint": self.folder, "ok": self.ok,
                 "error": self.error,
-                "agreement": self.agreement, "tolerance": self.tolerance,
-                "first_low_margin_step": {str(q): self.first_low_margin(q) for q in seqs},
-                "steps": [dict(s.__dict__, agree=s.agree) for s in self.steps]}
+                "agreement": Fraction(self.agreement), "tolerance": Number(self.tolerance),
+                "first_low_margin_step": {str(q): Count.of(self.first_low_margin(q))
+                                          for q in seqs},
+                "steps": [step.summary() for step in self.steps]}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

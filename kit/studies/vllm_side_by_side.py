@@ -28,7 +28,7 @@ from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, vllm_kv_sizing
 from kit.vllm.model_folder import write_model_folder
 from kit.vllm.sizer import VLLMSizer
-from kit.units import parse_bytes
+from kit.units import Bytes, Count, Ratio, Seconds, parse_bytes, typed
 
 
 @dataclass
@@ -56,7 +56,10 @@ class KVAgreement:
         return self.kit_blocks == self.vllm_blocks and self.kit_log_line == self.vllm_log_line
 
     def row(self) -> dict:
-        return {**asdict(self), "agree": self.agree}
+        return {**typed(asdict(self), {Bytes: ("budget_bytes",),
+                                       Count: ("block_size", "max_model_len", "kit_blocks",
+                                               "vllm_blocks", "tensor_parallel_size")}),
+                "agree": self.agree}
 
 
 def kit_kv_sizing(settings, budget_bytes: int):
@@ -128,11 +131,12 @@ def engine_agreement(settings, budget_bytes: int, run) -> dict:
     """The kit's sizing beside what a started engine (`EngineRun`) decided."""
     kit_side = kit_kv_sizing(settings, budget_bytes)
     ok = not isinstance(kit_side, str) and run.ok
-    return {"kit_blocks": kit_side.num_blocks if ok else None, "vllm_blocks": run.num_blocks,
+    return {**Count.of({"kit_blocks": kit_side.num_blocks if ok else None,
+                        "vllm_blocks": run.num_blocks}),
             "kit_log_line": kit_side.log_line() if ok else None,
             "vllm_log_line": run.kv_log_line,
-            "kit_cache_bytes": kit_side.cache_bytes if ok else None,
-            "vllm_cache_bytes": run.kv_cache_bytes,
+            **Bytes.of({"kit_cache_bytes": kit_side.cache_bytes if ok else None,
+                        "vllm_cache_bytes": run.kv_cache_bytes}),
             "agree": ok and kit_side.num_blocks == run.num_blocks
             and kit_side.log_line() == run.kv_log_line
             and kit_side.cache_bytes == run.kv_cache_bytes}
@@ -165,6 +169,10 @@ class KitDecode:
     @property
     def end_to_end_seconds(self) -> float | None:
         return median_or_none(self.generations)
+
+    def summary(self) -> dict:
+        return {"strategy": self.strategy, "median": Seconds.of(self.median), "error": self.error,
+                "compile_seconds": Seconds.of(self.compile_seconds)}
 
 
 def kit_strategy(mode: str, device: str) -> str:
@@ -369,7 +377,7 @@ def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) ->
     vllm_best = [getattr(c, vllm) for c in comparisons if getattr(c, vllm) is not None]
     if not kit_best or not vllm_best:
         return None
-    return min(kit_best) / min(vllm_best)
+    return Ratio(min(kit_best) / min(vllm_best))
 
 
 def chapter_budget(settings) -> int:
@@ -399,8 +407,8 @@ def vllm_concurrency(models, budget_bytes: int, lengths: list[int], *, block_siz
         curve = concurrency_curve(ModelConfig.load(name), budget_bytes, block_size=block_size,
                                   max_num_batched_tokens=in_flight, max_model_lens=lengths,
                                   dtype=dtype)
-        out[name] = {"as configured": curve.windowed, "all full attention": curve.full,
-                     "error": curve.error}
+        out[name] = {**Ratio.of({"as configured": curve.windowed,
+                                 "all full attention": curve.full}), "error": curve.error}
     return out
 
 

@@ -117,14 +117,19 @@ def save(folder: Path, sweep: dict) -> None:
     tmp.replace(folder / SWEEP_FILE)
 
 
-def numbers_of(summary: dict) -> dict:
-    """Every number the point's chapters recorded, as `<chapter>.<dotted name>`."""
-    out = {}
+def numbers_of(summary: dict) -> tuple[dict, dict]:
+    """Every number the point's chapters recorded, as `<chapter>.<dotted name>`, and their
+    units under the same names."""
+    out, units = {}, {}
     for nb in summary.get("notebooks", []):
-        for name, value in flatten((nb.get("recorded") or {}).get("results", {})).items():
+        recorded = nb.get("recorded") or {}
+        for name, value in flatten(recorded.get("results", {})).items():
             if is_number(value):
                 out[f"{nb['notebook']}.{name}"] = value
-    return out
+                unit = recorded.get("units", {}).get(name)
+                if unit:
+                    units[f"{nb['notebook']}.{name}"] = unit
+    return out, units
 
 
 def point_error(result: dict, summary: dict | None) -> str | None:
@@ -152,6 +157,7 @@ def record(folder: Path, point: dict, result: dict) -> None:
             tar.extractall(target, filter="data")
         if (target / "summary.json").is_file():
             summary = json.loads((target / "summary.json").read_text())
+    numbers, units = numbers_of(summary or {})
     point.update(
         status="ok" if result["exit_code"] == 0 else "failed",
         error=point_error(result, summary),
@@ -161,7 +167,7 @@ def record(folder: Path, point: dict, result: dict) -> None:
         notebooks=[{"notebook": s["notebook"], "ok": s["ok"], "seconds": s["seconds"],
                     "checks_passed": s["checks_passed"], "checks_failed": s["checks_failed"]}
                    for s in (summary or {}).get("notebooks", [])],
-        results=numbers_of(summary or {}))
+        results=numbers, units=units)
 
 
 def record_crash(point: dict, error: BaseException, started: float) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kit.measure.timing import Timings, median_or_none
+from kit.units import Bytes, Count, Ratio, Seconds, typed
 from kit.vllm.installed import in_process, vllm_missing
 from kit.vllm.kv_sizing import engine_config
 from kit.vllm.model_specs import model_kv_specs
@@ -36,6 +37,12 @@ from kit.vllm.log import captured_vllm_log, fail_message, format_records, phase_
 from kit.vllm.model_folder import write_model_folder
 
 MODES = ("eager", "compiled")
+RUN_QUANTITIES = {  # what `EngineRun`'s numbers measure
+    Count: ("num_blocks", "block_size", "num_tokens", "decode_batch_size", "decode_input_len",
+            "decode_output_len", "torch_threads"),
+    Bytes: ("bytes_per_block", "kv_cache_bytes"), Ratio: ("max_concurrency",),
+    Seconds: ("startup_seconds", "compile_seconds", "decode_step_seconds", "prefill_seconds",
+              "generation_seconds")}
 DECODE_STEPS = 90  # decode steps timed per engine run: enough for a median on a noisy machine
 
 
@@ -93,10 +100,11 @@ class EngineRun:
 
     def summary(self) -> dict:
         """Numbers for `Recorder.record` (the log goes to a file, see `save_log`)."""
-        out = {k: v for k, v in asdict(self).items() if k != "log"}
-        out.update(ok=self.ok, decode_step_median=self.decode_step_median,
-                   decode_step_spread=self.decode_step_spread,
-                   prefill_median=self.prefill_median, end_to_end_median=self.end_to_end_median)
+        out = typed({k: v for k, v in asdict(self).items() if k != "log"}, RUN_QUANTITIES)
+        out.update(ok=self.ok, memory=self.memory, **Seconds.of({
+            "decode_step_median": self.decode_step_median,
+            "decode_step_spread": self.decode_step_spread, "prefill_median": self.prefill_median,
+            "end_to_end_median": self.end_to_end_median}))
         return out
 
     def save_log(self, folder: Path) -> Path:
@@ -173,11 +181,12 @@ def _gpu_memory_profile(core) -> dict | None:
         return None
     weights = int(worker.model_runner.model_memory_usage)
     consumed = int(getattr(worker, "total_consumed", 0))
-    return {"weights_bytes": weights,
-            "peak_activation_bytes": int(worker.peak_activation_memory),
-            "non_torch_and_other_bytes": consumed - weights,  # mem_get_info's consumption beyond weights
-            "requested_bytes": int(worker.requested_memory),
-            "kv_cache_budget_bytes": int(worker.available_kv_cache_memory_bytes)}
+    return Bytes.of({"weights_bytes": weights,
+                     "peak_activation_bytes": int(worker.peak_activation_memory),
+                     # mem_get_info's consumption beyond the weights
+                     "non_torch_and_other_bytes": consumed - weights,
+                     "requested_bytes": int(worker.requested_memory),
+                     "kv_cache_budget_bytes": int(worker.available_kv_cache_memory_bytes)})
 
 
 class EngineTimings(NamedTuple):
