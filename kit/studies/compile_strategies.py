@@ -148,7 +148,7 @@ PLAN_QUANTITIES = {
               "forward_best_seconds", "direct_seconds", "direct_best_seconds",
               "dynamo_overhead_seconds", "dynamo_overhead_best_seconds", "cache_lookup_seconds"),
     Bytes: ("peak_activation_bytes", "non_torch_bytes", "kv_cache_bytes"),
-    Count: ("num_blocks", "cache_entries", "guards", "graphs_compiled", "recompiles",
+    Count: ("number", "num_blocks", "cache_entries", "guards", "graphs_compiled", "recompiles",
             "guards_total"),
     Number: ("max_abs_diff", "max_rel_diff", "tolerance"),
     Fraction: ("overhead_fraction", "overhead_best_fraction")}
