@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 import kit
 from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
-from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
+from kit.engine.decode import batch_for_run, generate, make_prompts
 from kit.engine.decode_runners import decode_runner
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.layers.attention import summed_attention
@@ -282,9 +282,8 @@ def kit_paged_decode(folder, lengths, steps, strategy, dtype="float32"):
     prompts and the run (every step's logits and tokens)."""
     model = kit_model(folder, dtype)
     spec = KVCacheSpec.for_model(model.arch, 4, dtype)
-    cache = allocate(spec, blocks_needed(lengths, steps, 4), dtype, "cpu")
-    prompts, batch = make_prompts(lengths, model.arch.vocab_size, 3), new_batch(cache, lengths,
-                                                                                steps)
+    prompts = make_prompts(lengths, model.arch.vocab_size, 3)
+    batch = batch_for_run(spec, lengths, steps, dtype, "cpu")
     if strategy == "eager_summed":  # eagerly, the attention summed as compiled code sums it
         with summed_attention():
             return prompts, generate(model, batch, prompts, steps)

@@ -10,8 +10,8 @@ import torch
 import kit
 from kit.cli.main import main
 from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
-from kit.engine.decode import (blocks_needed, check_against_reference, generate,
-                        make_prompts, new_batch, step_function)
+from kit.engine.decode import (batch_for_run, blocks_needed, check_against_reference, generate,
+                               make_prompts, new_batch, step_function)
 from kit.engine.kv_cache import KVCacheSpec, allocate
 from kit.engine.model import build_model
 from kit.errors import ConfigError
@@ -43,11 +43,9 @@ STEPS = 7               # every sequence crosses at least one more block edge wh
 
 def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3, block_size=BLOCK_SIZE):
     model = build_model(a, dtype, "cpu", seed=0)
-    spec = KVCacheSpec(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads,
-                       head_dim=a.head_dim, block_size=block_size, dtype_bytes=DTYPE_BYTES[dtype])
-    cache = allocate(spec, blocks_needed(lengths, steps, block_size) + spare_blocks, dtype, "cpu")
+    spec = KVCacheSpec.for_model(a, block_size, dtype)
+    batch = batch_for_run(spec, lengths, steps, dtype, "cpu", spare_blocks)
     prompts = make_prompts(lengths, a.vocab_size, seed=1)
-    batch = new_batch(cache, lengths, steps)
     run = generate(model, batch, prompts, steps)
     return model, prompts, batch, run
 
@@ -68,11 +66,44 @@ def test_the_blocks_really_are_paged():
     """Sequences decode in turn, so the blocks they open interleave: reading a sequence's
     context needs its table, not a contiguous range."""
     _, _, batch, _ = paged_run(ARCHS["gqa"], "float32")
-    tables = batch.allocator.tables
+    tables = {i: t[0] for i, t in batch.allocator.tables.items()}  # one group: one table each
     assert any(t != list(range(t[0], t[0] + len(t))) for t in tables.values())
     for i, n in enumerate(LENGTHS):
-        assert batch.allocator.lengths[i] == n + STEPS
-        assert batch.block_tables[i, :len(tables[i])].tolist() == tables[i]
+        assert batch.allocator.num_computed_tokens[i] == n + STEPS
+        assert batch.block_tables[0, i, :len(tables[i])].tolist() == tables[i]
+
+
+@pytest.mark.parametrize("key", ["window-mistral", "window-gemma3"])
+def test_sliding_groups_hand_back_blocks_that_leave_their_window(key):
+    """As vLLM's sliding-window manager does, before each step a sliding group hands back the
+    blocks wholly before its window (the null block takes their place in its table): the run
+    holds fewer blocks than full attention would, runs on exactly `blocks_needed` blocks, and
+    its logits still equal the no-cache reference."""
+    a = ARCHS[key]
+    spec = KVCacheSpec.for_model(a, BLOCK_SIZE, "float32")
+    need = blocks_needed(LENGTHS, STEPS, BLOCK_SIZE, spec.groups)
+    full = 1 + (blocks_needed(LENGTHS, STEPS, BLOCK_SIZE) - 1) * len(spec.groups)  # none back
+    model, prompts, batch, run = paged_run(a, "float32", spare_blocks=0)
+    assert batch.kv_cache.shape[:3] == (spec.group_size, 2, need)  # vLLM's layout, no spare
+    assert check_against_reference(model, prompts, run, "float32").max_error < 1e-5
+    assert 1 + max(batch.held) == need < full and len(batch.held) == len(set(LENGTHS)) + STEPS
+    sliding = [g for g, group in enumerate(spec.groups) if group.window is not None]
+    for g, group in enumerate(spec.groups):
+        for i, n in enumerate(LENGTHS):  # context n + STEPS: its first tokens skipped
+            table = batch.block_tables[g, i].tolist()
+            gone = (n + STEPS - 1 - group.window + 1) // BLOCK_SIZE if g in sliding else 0
+            assert table[:max(gone, 0)] == [0] * max(gone, 0)
+            assert 0 not in table[max(gone, 0):-(-(n + STEPS) // BLOCK_SIZE)]
+    if len(spec.groups) > 1:  # a full group keeps every block, so the run holds more
+        assert max(batch.held) > sum(-(-(n + STEPS) // BLOCK_SIZE) for n in LENGTHS)
+
+
+def test_a_batch_refuses_tables_that_are_not_the_models_groups():
+    a = ARCHS["window-gemma3"]
+    spec = KVCacheSpec.for_model(a, BLOCK_SIZE, "float32")
+    batch = new_batch(allocate(spec, 40, "float32", "cpu"), LENGTHS, STEPS)  # one table only
+    with pytest.raises(ValueError, match="KV cache groups"):
+        batch.start(build_model(a, "float32", "cpu"), make_prompts(LENGTHS, a.vocab_size))
 
 
 def test_a_wrong_context_length_is_caught():
@@ -142,17 +173,19 @@ def test_roofline_weights_match_the_model_for_a_real_shape():
 
 def test_too_many_tokens_for_the_cache_says_how_many_blocks_are_missing():
     # tiny: 2 × 4 layers × 4 KV heads × 32 × 2 bytes = 2048 B per token, 32 KiB per block of 16.
-    # 4 sequences of 64 + 15 tokens need 5 blocks each: 20 blocks; the budget holds 10.
+    # 4 sequences of 64 + 15 tokens need 5 blocks each, and the null block: 21 blocks; the
+    # budget holds 10.
     s = kit.load("cpu-small", kv_cache_memory_bytes=10 * 32768)
-    with pytest.raises(ConfigError, match="needs 20 KV cache blocks.*holds 10: 10 blocks missing"):
+    with pytest.raises(ConfigError, match="needs 21 KV cache blocks.*null block.*holds 10: 11 "
+                                          "blocks missing"):
         early_fit(s)
-    with pytest.raises(ConfigError, match="10 blocks missing"):
+    with pytest.raises(ConfigError, match="11 blocks missing"):
         run_decode(s, progress=lambda m: None)
 
 
 def test_the_largest_possible_cache_is_checked_before_loading_anything():
     s = kit.load("cpu-small", device_memory="45MB")  # 0.9 × 45 MB < 40.6 MB of weights
-    with pytest.raises(ConfigError, match="holds 0: 20 blocks missing"):
+    with pytest.raises(ConfigError, match="holds 0: 21 blocks missing"):
         early_fit(s)
 
 
@@ -253,12 +286,12 @@ def test_a_batch_reads_its_span_not_its_whole_table():
     a, lengths, steps = ARCHS["gqa"], [20, 33, 40], 7
     model, prompts, batch, eager = paged_run(a, "float32", lengths, steps, block_size=32)
     cache = batch.kv_cache
-    assert (batch.block_tables.shape[1] * 32, batch.max_context_len) == (64, 48)
+    assert (batch.block_tables.shape[2] * 32, batch.max_context_len) == (64, 48)
     runs = {"eager": eager}
     with summed_attention():
         runs["eager summed"] = generate(model, batch, prompts, steps)
         q = torch.randn(len(lengths), a.num_attention_heads, a.head_dim)
-        span, whole = (paged_decode_attention(q, cache[0], batch.block_tables,
+        span, whole = (paged_decode_attention(q, cache[0], batch.block_tables[0],
                                               torch.tensor(lengths) + steps, n) for n in (48, None))
         torch.testing.assert_close(span, whole)
     with torch.no_grad():
@@ -300,7 +333,7 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     assert parts.gemm_bandwidth_at(parts.profiled_seconds) == pytest.approx(parts.gemm_bandwidth)
     assert parts.gemm_bandwidth_at(parts.profiled_seconds / 2) == pytest.approx(
         2 * parts.gemm_bandwidth)
-    assert list(batch.allocator.lengths.values()) == [n + 3 for n in LENGTHS]  # real steps
+    assert list(batch.allocator.num_computed_tokens.values()) == [n + 3 for n in LENGTHS]  # real steps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -180,8 +180,8 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     float32, generates exactly the kit's tokens; each token's log-probability agrees."""
     import torch
 
-    from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
-    from kit.engine.kv_cache import KVCacheSpec, allocate
+    from kit.engine.decode import batch_for_run, generate, make_prompts
+    from kit.engine.kv_cache import KVCacheSpec
     from kit.engine.model import build_model
     from kit.cli.new_checkpoint import write_random_checkpoint
     from kit.vllm.greedy import greedy_from_checkpoint
@@ -190,9 +190,9 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     lengths, steps = [9, 16, 23], 7
     prompts = make_prompts(lengths, arch.vocab_size, 5)
     model = build_model(arch, "float32", "cpu")
-    cache = allocate(KVCacheSpec.for_model(arch, 16, "float32"),
-                     blocks_needed(lengths, steps, 16), "float32", "cpu")
-    run = generate(model, new_batch(cache, lengths, steps), prompts, steps)
+    batch = batch_for_run(KVCacheSpec.for_model(arch, 16, "float32"), lengths, steps, "float32",
+                          "cpu")
+    run = generate(model, batch, prompts, steps)
     vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
     assert vllm.tokens == run.tokens.tolist()
     kit_logprobs = torch.log_softmax(run.logits.float(), -1)  # [steps + 1, seqs, vocab]
@@ -238,8 +238,8 @@ def test_todays_families_token_for_token(tmp_path, family):
     """vLLM on a Qwen3, Gemma 2, Gemma 3 or windowed Mistral checkpoint (the kit's or
     transformers'), float32, prompts of 5, 30 and 41 tokens past the window of 16: the kit's
     24 greedy tokens are vLLM's, every one."""
-    from kit.engine.decode import blocks_needed, generate, make_prompts, new_batch
-    from kit.engine.kv_cache import KVCacheSpec, allocate
+    from kit.engine.decode import batch_for_run, generate, make_prompts
+    from kit.engine.kv_cache import KVCacheSpec
     from kit.engine.model import build_model
     from kit.vllm.greedy import greedy_from_checkpoint
     folder = todays_checkpoint(family, tmp_path / family)
@@ -247,10 +247,9 @@ def test_todays_families_token_for_token(tmp_path, family):
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (family != "qwen3")
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
-    cache = allocate(KVCacheSpec.for_model(arch, 16, "float32"),
-                     blocks_needed(lengths, steps, 16), "float32", "cpu")
-    run = generate(build_model(arch, "float32", "cpu"), new_batch(cache, lengths, steps),
-                   prompts, steps, keep_logits=False)
+    batch = batch_for_run(KVCacheSpec.for_model(arch, 16, "float32"), lengths, steps, "float32",
+                          "cpu")
+    run = generate(build_model(arch, "float32", "cpu"), batch, prompts, steps, keep_logits=False)
     vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
     assert vllm.tokens == run.tokens.tolist()
 

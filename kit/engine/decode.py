@@ -1,9 +1,13 @@
 """Decode over the paged KV cache (chapters 04, 05): prefill, timed decode steps, and a no-cache
 reference to check them against (timing per strategy: `kit.studies.decode_timing`).
 
-A batch of prompts is prefilled into the cache through chapter 02's `BlockAllocator`; then each
-decode step feeds one token per sequence, and its attention reads keys and values back through
-the block table (`kit.engine.layers.attention.paged_decode_attention`). The step is built to
+A batch of prompts is prefilled into the cache through chapter 02's `GroupedBlockTables` (vLLM
+0.32's block manager: block 0 its null block, one table per KV cache group); then each decode
+step feeds one token per sequence, and its attention reads keys and values back through its
+group's table (`kit.engine.layers.attention.paged_decode_attention`). Before each step a
+sliding-window group hands back the blocks that left its window, as vLLM's sliding-window
+manager does, so a model with windows holds fewer blocks than full attention would
+(`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache_for`). The step is built to
 compile well: its inputs are the same tensors every step (token ids, positions, block tables,
 the cache), updated in place, with shapes fixed by the batch size, the table's width and the
 positions its attention reads (the batch's longest context, `max_context_len`); there is no
@@ -23,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from kit.config import TOLERANCE, Settings
-from kit.engine.block_table import BlockAllocator
-from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.group_tables import NULL_BLOCK, GroupedBlockTables
+from kit.engine.kv_cache import KVCacheSpec, allocate_shared
+from kit.engine.kv_groups import KVGroup, model_groups
 from kit.engine.layers.attention import AttentionMetadata, attention_span
 from kit.engine.model import Decoder
 from kit.errors import ConfigError
@@ -49,9 +54,31 @@ def make_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[tor
     return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
 
 
-def blocks_needed(lengths: list[int], steps: int, block_size: int) -> int:
-    """Blocks the whole run holds at its end: each sequence's prompt plus the tokens fed back."""
-    return sum(math.ceil((n + steps) / block_size) for n in lengths)
+def blocks_needed(lengths: list[int], steps: int, block_size: int,
+                  groups: tuple[KVGroup, ...] | None = None) -> int:
+    """Blocks a run's cache needs: vLLM's null block, and the most the sequences hold at once
+    (with full attention only, at the run's end: each prompt plus the tokens fed back; a
+    sliding group hands back what leaves its window, so the run's block tables are replayed
+    to find the peak). `groups` None: one group of full attention."""
+    at_end = sum(math.ceil((n + steps) / block_size) for n in lengths)
+    if groups is None or all(g.window is None for g in groups):
+        return 1 + at_end
+    tables = GroupedBlockTables(1 + at_end * len(groups), block_size, groups)
+    held = []
+    for i in prefill_order(lengths):
+        tables.allocate_slots(i, lengths[i])
+        held.append(tables.num_blocks - 1 - tables.num_free_blocks)
+    for _ in range(steps):
+        for i in range(len(lengths)):
+            tables.allocate_slots(i, 1)
+            held.append(tables.num_blocks - 1 - tables.num_free_blocks)
+    return 1 + max(held)
+
+
+def prefill_order(lengths: list[int]) -> list[int]:
+    """The order sequences take their blocks in: by prompt length, as `PagedBatch.prefill`
+    runs equal lengths together."""
+    return sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
 
 
 def table_width(lengths: list[int], steps: int, block_size: int) -> int:
@@ -61,13 +88,15 @@ def table_width(lengths: list[int], steps: int, block_size: int) -> int:
 
 
 def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: int,
-                   budget_source: str = "the KV budget") -> int:
+                   budget_source: str = "the KV budget",
+                   groups: tuple[KVGroup, ...] | None = None) -> int:
     """Refuse a run whose tokens do not fit in `num_blocks`, saying how many are missing."""
-    need = blocks_needed(lengths, steps, block_size)
+    need = blocks_needed(lengths, steps, block_size, groups)
     if need > num_blocks:
         raise ConfigError(
             f"the run needs {need:,} KV cache blocks ({len(lengths)} sequences of up to "
-            f"{max(lengths) + steps:,} tokens, {block_size} tokens per block) but {budget_source} "
+            f"{max(lengths) + steps:,} tokens, {block_size} tokens per block, and vLLM's null "
+            f"block) but {budget_source} "
             f"holds {num_blocks:,}: {need - num_blocks:,} blocks missing. Lower batch_size, "
             "input_len or output_len, or give the cache more memory (kv_cache_memory_bytes, "
             "gpu_memory_utilization, device_memory)")
@@ -83,22 +112,27 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class PagedBatch:
     """The decode state of one batch: its blocks, and the tensors the step reads each time.
 
-    `input_ids`, `positions` and `block_tables` live on the device and are updated in place
-    (as vLLM's persistent input buffers are), so a compiled graph or a CUDA graph captured on
-    them stays valid for every step, and for every run after `start` resets them.
+    `input_ids`, `positions` and `block_tables` ([groups, seqs, width]: a table per KV cache
+    group) live on the device and are updated in place (as vLLM's persistent input buffers
+    are), so a compiled graph or a CUDA graph captured on them stays valid for every step, and
+    for every run after `start` resets them. `held`: the blocks the sequences hold after the
+    prefill and after each step's bookkeeping.
     """
 
     def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int,
-                 max_context_len: int | None = None):
+                 max_context_len: int | None = None, groups: tuple[KVGroup, ...] | None = None):
         self.kv_cache, self.lengths = kv_cache, list(lengths)
         self.block_size = kv_cache.shape[3]
+        # one group of every layer unless told: right for a cache with a slice per layer
+        self.groups = groups or (KVGroup(tuple(range(kv_cache.shape[0]))),)
         # positions each step's attention reads: the table's whole width unless told fewer
         self.max_context_len = max_context_len or width * self.block_size
         device = kv_cache.device
-        self.block_tables = torch.zeros(len(lengths), width, dtype=torch.long, device=device)
+        self.block_tables = torch.full((len(self.groups), len(lengths), width), NULL_BLOCK,
+                                       dtype=torch.long, device=device)
         self.positions = torch.zeros(len(lengths), dtype=torch.long, device=device)
         self.input_ids = torch.zeros(len(lengths), dtype=torch.long, device=device)
-        self.allocator = None
+        self.allocator, self.held = None, []
 
     def step_args(self) -> tuple:
         return (self.input_ids, self.positions, self.block_tables, self.kv_cache)
@@ -108,8 +142,10 @@ class PagedBatch:
         """A fresh run: every block free, the prompts prefilled into the cache (through
         `prefill`, a runner of `prefill_function(model)`; eagerly by default), each one's first
         new token (greedy) ready as the next input. Returns the prefill's logits."""
-        self.allocator = BlockAllocator(self.kv_cache.shape[2], self.block_size)
-        self.block_tables.zero_()  # padding entries: block 0 will do, the mask hides them
+        self.check_groups(model)
+        self.allocator = GroupedBlockTables(self.kv_cache.shape[2], self.block_size, self.groups)
+        self.held = []
+        self.block_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
         self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
         logits = self.prefill(prompts, prefill or prefill_function(model))
         self.input_ids.copy_(greedy(logits))
@@ -121,24 +157,44 @@ class PagedBatch:
         device = self.kv_cache.device
         logits = [None] * len(prompts)
         for length in sorted(set(self.lengths)):
-            seqs = [i for i, n in enumerate(self.lengths) if n == length]
-            slots = []
+            seqs = [i for i in prefill_order(self.lengths) if self.lengths[i] == length]
+            slots = [[] for _ in self.groups]  # [groups, tokens]
             for i in seqs:
-                table = self.allocator.allocate(i, length)
-                self.block_tables[i, :len(table)] = torch.tensor(table)
-                slots += [self.allocator.slot(i, p) for p in range(length)]
+                self.allocator.allocate_slots(i, length)
+                self.copy_tables(i)
+                for g, group_slots in enumerate(slots):
+                    group_slots += [self.allocator.slot(i, p, g) for p in range(length)]
+            self.held.append(self.num_held())
             ids = torch.stack([prompts[i] for i in seqs]).to(device)
             last = forward(ids, torch.tensor(slots, device=device), self.kv_cache)
             for row, i in enumerate(seqs):
                 logits[i] = last[row]
         return torch.stack(logits)
 
+    def check_groups(self, model: Decoder) -> None:
+        """Refuse tables that do not match the model's KV cache groups (a cache in vLLM's
+        layout would mix the groups' pages)."""
+        groups = model_groups(model.arch)
+        if groups != self.groups and not (len(self.groups) == 1 and len(groups) == 1):
+            raise ValueError(f"the batch's KV cache groups {self.groups} are not the model's "
+                             f"{groups}: build it with new_batch(..., groups=model_groups(arch))")
+
+    def num_held(self) -> int:
+        return self.allocator.num_blocks - 1 - self.allocator.num_free_blocks
+
+    def copy_tables(self, seq: int) -> None:
+        for g, table in enumerate(self.allocator.tables[seq]):
+            self.block_tables[g, seq, :len(table)] = torch.tensor(table)
+
     def make_room(self) -> None:
-        """Bookkeeping before a step: each sequence's new token may open a block."""
+        """Bookkeeping before a step (`GroupedBlockTables.allocate_slots`): a sliding group
+        hands back the blocks that left its window, and each sequence's new token may open a
+        block in every group."""
         for i in range(len(self.lengths)):
-            block = self.allocator.append_token(i)
-            if block is not None:
-                self.block_tables[i, (self.allocator.lengths[i] - 1) // self.block_size] = block
+            changed = self.allocator.allocate_slots(i, 1)
+            if any(changed.freed) or any(changed.new):
+                self.copy_tables(i)
+        self.held.append(self.num_held())
 
     @torch.no_grad()
     def step(self, step) -> torch.Tensor:
@@ -158,7 +214,8 @@ def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
     sees follow from the positions and the block table, computed here on the device; the
     attention reads `max_context_len` positions of each (default: the table's width)."""
     block_size = kv_cache.shape[3]
-    block = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
+    block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
     meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,
                              block_tables, positions + 1, max_context_len)
     return model.compute_logits(model.decode(input_ids, positions, meta))
@@ -224,13 +281,24 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
                       prefill_seconds, clock.seconds())
 
 
-def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int) -> PagedBatch:
-    """A batch whose block table is wide enough for `steps` decode steps, its attention reading
-    as many positions as its longest context will hold (`attention_span`), not the table's
-    whole width: with 128-token blocks, 159 tokens would otherwise read 256."""
+def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int,
+              groups: tuple[KVGroup, ...] | None = None) -> PagedBatch:
+    """A batch whose block tables (one per KV cache group in `groups`, the model's
+    `model_groups`) are wide enough for `steps` decode steps, its attention reading as many
+    positions as its longest context will hold (`attention_span`), not the table's whole
+    width: with 128-token blocks, 159 tokens would otherwise read 256."""
     width = table_width(lengths, steps, kv_cache.shape[3])
     span = attention_span(max(lengths) + steps, width * kv_cache.shape[3])
-    return PagedBatch(kv_cache, lengths, width, span)
+    return PagedBatch(kv_cache, lengths, width, span, groups)
+
+
+def batch_for_run(spec: KVCacheSpec, lengths: list[int], steps: int, model_dtype: str,
+                  device: str, spare_blocks: int = 0) -> PagedBatch:
+    """`new_batch` on a fresh cache in vLLM's layout (`allocate_shared`) holding the blocks
+    the run needs (and `spare_blocks` more)."""
+    num_blocks = blocks_needed(lengths, steps, spec.block_size, spec.groups) + spare_blocks
+    cache = allocate_shared(spec, num_blocks, model_dtype, device)
+    return new_batch(cache, lengths, steps, spec.groups)
 
 
 @torch.no_grad()
@@ -286,13 +354,17 @@ def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str
                        same / ((steps + 1) * len(prompts)))
 
 
-def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
-    """The cache tensor ([num_layers, 2, num_blocks, block_size, kv_heads, head_dim]): one
-    table for every layer, each layer its own page of a block (sliding layers mask what lies
-    outside their window; vLLM's per-group tables are chapter 02's `GroupedBlockTables`)."""
-    spec = KVCacheSpec.for_model(settings.arch, settings.block_size, settings.dtype,
+def decode_spec(settings: Settings) -> KVCacheSpec:
+    """The decode engine's cache: the settings' block_size on every device."""
+    return KVCacheSpec.for_model(settings.arch, settings.block_size, settings.dtype,
                                  settings.kv_cache_dtype, settings.tensor_parallel_size)
-    return allocate(spec, num_blocks, settings.dtype, settings.device)
+
+
+def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
+    """The cache tensor in vLLM's layout ([group size, 2, num_blocks, block_size, kv_heads,
+    head_dim], `allocate_shared`): a block id costs one page in each layer of the group that
+    owns it, `KVCacheSpec.bytes_per_block`."""
+    return allocate_shared(decode_spec(settings), num_blocks, settings.dtype, settings.device)
 
 
 def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = False,
@@ -302,4 +374,5 @@ def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = Fals
     batch with room for `output_len - 1` decode steps."""
     lengths = prompt_lengths(settings.batch_size, settings.input_len, mixed)
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed + seed_offset)
-    return new_batch(kv_cache, lengths, settings.output_len - 1), prompts
+    return (new_batch(kv_cache, lengths, settings.output_len - 1, model_groups(settings.arch)),
+            prompts)

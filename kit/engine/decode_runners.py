@@ -24,11 +24,12 @@ CPU_FREEZING = {"freezing": True}
 # hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
 # oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU,
 # where the products run in float32, the step's batch dimension is marked dynamic: input_ids,
-# positions, block_tables.
-CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (0,)}
+# positions, block_tables ([groups, seqs, width]).
+CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (1,)}
 # The compiled prefill (CPU) serves every group of equal-length prompts: the number of prompts
-# and their length are symbols (input_ids' dimensions 0 and 1, slot_mapping's 0).
-PREFILL_DYNAMIC = {0: (0, 1), 1: (0,)}
+# and their length are symbols (input_ids' dimensions 0 and 1, slot_mapping's 1: [groups,
+# tokens]).
+PREFILL_DYNAMIC = {0: (0, 1), 1: (1,)}
 
 
 def compiled_matmul_dtype(model: Decoder, device: str) -> torch.dtype | None:
@@ -78,7 +79,7 @@ def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor
         return None
     model.multiply_in(compiled_matmul_dtype(model, device))
     ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
-    slots = torch.arange(ids.numel(), device=device)
+    slots = torch.arange(ids.numel(), device=device).repeat(len(batch.groups), 1)
     return make_runner(prefill_function(model), "guard_free", device,
                        (ids.to(device), slots, batch.kv_cache), dynamic_dims=PREFILL_DYNAMIC,
                        inductor_config=CPU_FREEZING)

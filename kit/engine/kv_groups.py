@@ -73,6 +73,18 @@ def layer_windows(arch) -> tuple:
     return windows if any(windows) else ()
 
 
+def model_groups(arch) -> tuple[KVGroup, ...]:
+    """`arch`'s KV cache groups: one of every layer when none slides."""
+    return kv_groups(layer_windows(arch) or (None,) * arch.num_hidden_layers)
+
+
+def cache_place(groups: tuple[KVGroup, ...], layer: int) -> tuple[int, int]:
+    """(`layer`'s group, its place in the group): the block table it reads, and the slice of a
+    cache laid out as vLLM's (`kv_cache.allocate_shared`) that holds its pages."""
+    group = next(i for i, g in enumerate(groups) if layer in g.layers)
+    return group, groups[group].layers.index(layer)
+
+
 def with_layer_pattern(arch, full_every: int | None,
                        sliding_window: int | None = None):
     """`arch` with every `full_every`-th layer full attention and the others sliding over

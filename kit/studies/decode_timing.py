@@ -21,7 +21,8 @@ import torch
 
 from kit.config import Settings, reference
 from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
-                               decode_inputs, generate, kv_cache_for, prompt_lengths)
+                               decode_inputs, decode_spec, generate, kv_cache_for,
+                               prompt_lengths)
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
 from kit.engine.layers.attention import summed_attention
@@ -236,13 +237,12 @@ def check_request(settings: Settings) -> None:
 def fit_in_cache(settings: Settings, budget_bytes: int, budget_source: str) -> CacheFit:
     """The run's blocks against `budget_bytes`; refuses, naming the missing blocks, when the
     tokens do not fit."""
-    spec = KVCacheSpec.from_settings(settings)
+    spec = decode_spec(settings)  # vLLM's layout: a block id costs bytes_per_block
     lengths = prompt_lengths(settings.batch_size, settings.input_len)
     steps = settings.output_len - 1
-    # the kit's decode keeps a page per layer for every block (`kv_cache_for`)
-    budget_blocks = max(0, budget_bytes) // (spec.bytes_per_token * settings.block_size)
+    budget_blocks = max(0, budget_bytes) // spec.bytes_per_block
     need = check_capacity(lengths, steps, settings.block_size, budget_blocks,
-                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
+                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)", spec.groups)
     return CacheFit(lengths, steps, settings.block_size, need, budget_bytes, budget_source,
                     budget_blocks)
 

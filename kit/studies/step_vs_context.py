@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings
-from kit.engine.decode import blocks_needed, make_prompts, new_batch, step_function
-from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.decode import batch_for_run, make_prompts, step_function
+from kit.engine.kv_cache import KVCacheSpec
 from kit.engine.kv_groups import layer_windows, with_layer_pattern
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
@@ -69,9 +69,8 @@ class PrefilledRun:
     def __init__(self, model, arch, settings: Settings, length: int, steps: int):
         lengths = [length] * settings.batch_size
         spec = KVCacheSpec.for_model(arch, settings.block_size, settings.dtype)
-        cache = allocate(spec, blocks_needed(lengths, steps, settings.block_size),
-                         settings.dtype, settings.device)
-        self.batch, self.device = new_batch(cache, lengths, steps), settings.device
+        self.batch = batch_for_run(spec, lengths, steps, settings.dtype, settings.device)
+        self.device = settings.device
         self.batch.start(model, make_prompts(lengths, arch.vocab_size, settings.seed))
         self.step = step_function(model, self.batch.max_context_len)
 

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kit.config import ModelConfig, load
-from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs, generate,
-                               kv_cache_for, prompt_lengths)
+from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs,
+                               decode_spec, generate, kv_cache_for, prompt_lengths)
 from kit.engine.kv_cache import device_label, size_for_settings
 from kit.engine.model import build_model
 from kit.errors import ConfigError
@@ -195,7 +195,8 @@ class KitTurns:
         self.settings, self.steps = settings, settings.output_len - 1
         lens = prompt_lengths(settings.batch_size, settings.input_len)
         self.model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-        kv_cache = kv_cache_for(settings, blocks_needed(lens, self.steps, settings.block_size))
+        kv_cache = kv_cache_for(settings, blocks_needed(lens, self.steps, settings.block_size,
+                                                        decode_spec(settings).groups))
         self.batch, self.prompts = decode_inputs(settings, kv_cache)
         self.shared_prefill = SharedPrefill(self.model, self.batch, self.prompts)
         self.decodes: dict[str, KitDecode] = {}

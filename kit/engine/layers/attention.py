@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kit.config import ModelConfig
+from kit.engine.kv_groups import cache_place, model_groups
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import NORMS
 from kit.engine.layers.rotary import apply_rope
@@ -27,16 +28,21 @@ from kit.engine.layers.scores import prefill_attention, soft_cap
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
-    kv_cache:        [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-                     (engine.kv_cache)
-    slot_mapping:    [tokens] flat slot (block × block_size + offset) of each token's K and V
-    block_tables:    [num_seqs, max_blocks] block ids per sequence, padded; None for a prefill
+    kv_cache:        [slices, 2, num_blocks, block_size, num_kv_heads, head_dim]: a slice per
+                     layer (`engine.kv_cache.allocate`), or vLLM's layout, a slice per place
+                     in the widest KV cache group (`allocate_shared`)
+    slot_mapping:    [tokens] flat slot (block × block_size + offset) of each token's K and V,
+                     or [groups, tokens]: each KV cache group's slots
+    block_tables:    [num_seqs, max_blocks] block ids per sequence, padded, or [groups,
+                     num_seqs, max_blocks]: one table per KV cache group; None for a prefill
     context_lens:    [num_seqs] tokens each sequence attends to (its new token included)
     max_context_len: positions a decode step reads per sequence, fixed for the batch (its
                      longest context, `attention_span`); None: the table's whole width
 
     A NamedTuple, so torch.compile traces it without guarding on Python state but the one int,
     which stays the same for a batch (vLLM's attention metadata carries `max_seq_len` too).
+    A cache in vLLM's layout needs the per-group slots and tables: layers of different groups
+    share its slices, and only their block ids keep them apart.
     """
 
     kv_cache: torch.Tensor
@@ -184,7 +190,9 @@ def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window
 class Attention(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.layer_idx = layer_idx  # which slice of the KV cache is this layer's
+        self.layer_idx, self.num_layers = layer_idx, arch.num_hidden_layers
+        # its KV cache group (whose block table it reads) and its slice of a shared cache
+        self.kv_group, self.shared_slice = cache_place(model_groups(arch), layer_idx)
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
         # per layer, plain numbers: compiled code sees constants
@@ -213,18 +221,29 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
+    def cache_index(self, kv_cache: torch.Tensor) -> int:
+        """This layer's slice: its own in a cache of a slice per layer, else its place in its
+        group (vLLM's layout). Decided by the cache's shape, a constant when compiled."""
+        return self.layer_idx if kv_cache.shape[0] == self.num_layers else self.shared_slice
+
+    def of_group(self, t: torch.Tensor, per_group_dims: int) -> torch.Tensor:
+        """This layer's group's row of a per-group tensor (`per_group_dims` dimensions), or
+        `t` itself when it serves every layer."""
+        return t[self.kv_group] if t.dim() == per_group_dims else t
+
     def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
         """Causal attention within each of `num_seqs` equal-length sequences, over the layer's
         window if it has one; with `meta`, the keys and values are also written to the paged
         cache, and a decode step (one token per sequence, `meta.block_tables` given) reads its
         context back from there."""
         if meta is not None:
-            write_kv(meta.kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+            index = self.cache_index(meta.kv_cache)
+            write_kv(meta.kv_cache, index, k, v, self.of_group(meta.slot_mapping, 2))
             if meta.block_tables is not None:
-                return paged_decode_attention(q, meta.kv_cache[self.layer_idx],
-                                              meta.block_tables, meta.context_lens,
-                                              meta.max_context_len, self.scale, self.window,
-                                              self.softcap)
+                return paged_decode_attention(q, meta.kv_cache[index],
+                                              self.of_group(meta.block_tables, 3),
+                                              meta.context_lens, meta.max_context_len,
+                                              self.scale, self.window, self.softcap)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
