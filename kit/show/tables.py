@@ -429,6 +429,14 @@ def token_table(comparisons: dict) -> Table:
     return Table(rows)
 
 
+def held_blocks_table(curves) -> Table:
+    """Blocks each variant's batch held after its last step at each context length
+    (`kit.studies.step_vs_context.ContextCurve.held`)."""
+    return Table([{"context (tokens per sequence)": f"{n:,}",
+                   **{f"blocks held: {c.label}": f"{c.held[i]:,}" for c in curves}}
+                  for i, n in enumerate(curves[0].lengths)])
+
+
 def form_table(report) -> Table | str:
     """Chapter 04: what the attention's form buys and what the compiler buys
     (`DecodeReport.form_and_compiler`)."""

@@ -29,13 +29,16 @@ STEPS = 4  # decode steps timed per round
 
 @dataclass
 class ContextCurve:
-    """One variant's median step time at each context length, with its floor."""
+    """One variant's median step time at each context length, with its floor, and the blocks
+    its batch held after its last step there (a sliding layer hands back what left its
+    window, so a windowed model's cache stops growing too)."""
 
     label: str
     windows: tuple
     lengths: list[int]
     steps: dict[int, list[float]] = field(default_factory=dict)  # length -> step seconds
     floors: list[float] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # blocks held, per length
 
     @property
     def medians(self) -> list[float]:
@@ -43,6 +46,7 @@ class ContextCurve:
 
     def summary(self) -> dict:
         return {"label": self.label, "lengths": Count.of(self.lengths),
+                "blocks_held": Count.of(self.held),
                 **Seconds.of({"median_seconds": self.medians, "floor_seconds": self.floors})}
 
 
@@ -103,6 +107,8 @@ def step_time_by_context(settings: Settings, window: int | None = None, repeats:
                 seconds = runs[curve.label].time_steps(STEPS)
                 if r:
                     curve.steps.setdefault(n, []).extend(seconds)
+        for curve in curves:
+            curve.held.append(runs[curve.label].batch.held[-1])
         if progress:
             progress(f"context {n:,}: " + ", ".join(
                 f"{c.label} {statistics.median(c.steps[n]) * 1e3:.2f} ms" for c in curves))
