@@ -172,10 +172,13 @@ class PagedBatch:
         return torch.stack(logits)
 
     def check_groups(self, model: Decoder) -> None:
-        """Refuse tables that do not match the model's KV cache groups (a cache in vLLM's
-        layout would mix the groups' pages)."""
+        """Take the model's KV cache groups where the batch has one table (a model with one
+        group: its window, if any, then hands back blocks); refuse tables that do not match
+        them (a cache in vLLM's layout would mix the groups' pages)."""
         groups = model_groups(model.arch)
-        if groups != self.groups and not (len(self.groups) == 1 and len(groups) == 1):
+        if len(groups) == len(self.groups) == 1:
+            self.groups = groups
+        elif groups != self.groups:
             raise ValueError(f"the batch's KV cache groups {self.groups} are not the model's "
                              f"{groups}: build it with new_batch(..., groups=model_groups(arch))")
 
