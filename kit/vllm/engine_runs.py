@@ -209,8 +209,10 @@ def engine_timings(llm, batch_size: int, input_len: int, output_len: int, vocab_
     if output_len < 2:
         raise ValueError("output_len must be at least 2 to see a decode step")
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True,
-                            temperature=0.0, detokenize=False)
+    # ignore_eos alone runs to output_len; min_tokens would censor EOS too, work the kit's
+    # sampling does not do (`kit.vllm.greedy`)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
+                            detokenize=False)
     engine = llm.llm_engine
     out = EngineTimings([], [], [])
     for rep in range(repeats + 1):  # the first generation is a warm-up

@@ -22,7 +22,10 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
                            dtype: str = "float32", block_size: int = 128) -> GreedyRun:
     """Start `vllm.LLM` eagerly on a checkpoint folder (its real weights: no dummy load, no
     tokenizer), generate `new_tokens` greedy tokens per prompt with each one's log-probability
-    (`SamplingParams(logprobs=1)`), and shut it down. Raises vLLM's errors."""
+    (`SamplingParams(logprobs=1)`), and shut it down. Raises vLLM's errors. `ignore_eos`
+    alone runs every request to `new_tokens`: `min_tokens` would also censor the end-of-sequence
+    token until then (vLLM's `MinTokensLogitsProcessor`), so where it is the argmax, vLLM's
+    greedy token would be the runner-up and no longer the kit's (or transformers')."""
     in_process()
     from vllm import LLM, SamplingParams
     longest = max(len(p) for p in prompts) + new_tokens
@@ -30,8 +33,8 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
               block_size=block_size, max_model_len=max(longest, block_size),
               max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
               kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0)
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
-                            temperature=0.0, logprobs=1, detokenize=False)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, logprobs=1,
+                            detokenize=False)
     try:
         with keep_torch_threads():
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
