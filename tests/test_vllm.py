@@ -203,26 +203,24 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     assert worst <= 1e-3
 
 
-# Today's families at small shapes, windows of 16 and prompts past them; Gemma 2's checkpoint
-# written by the kit (`kit checkpoint`), the others by transformers. (Transformers' Gemma 3
-# makes its end-of-sequence token, id 1, the argmax on the 41-token prompt at step 16: vLLM
-# agrees once `min_tokens` no longer censors it, `kit.vllm.greedy`.)
+# Today's families at small shapes, windows of 16 and prompts past them, each checkpoint written
+# by the kit (`kit checkpoint`) and by transformers. (Transformers' Gemma 3 makes its
+# end-of-sequence token, id 1, the argmax on the 41-token prompt at step 16: vLLM agrees once
+# `min_tokens` no longer censors it, `kit.vllm.greedy`.)
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256,
          "max_position_embeddings": 512, "torch_dtype": "float32"}
-TODAYS = {"qwen3": ("transformers", {}), "gemma2": ("kit", {"sliding_window": 16}),
-          "gemma3_text": ("transformers", {"sliding_window": 16}),
-          "mistral": ("transformers", {"sliding_window": 16})}
+TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"sliding_window": 16},
+          "mistral": {"sliding_window": 16}}
 
 
-def todays_checkpoint(family: str, folder):
+def todays_checkpoint(family: str, folder, writer: str):
     """A float32 checkpoint of `family`'s small shape, written by the kit or by transformers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kit.cli.new_checkpoint import write_random_checkpoint
-    writer, extra = TODAYS[family]
-    hf = {"model_type": family, **SMALL, **extra}
+    hf = {"model_type": family, **SMALL, **TODAYS[family]}
     if writer == "kit":
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(hf))
@@ -233,8 +231,9 @@ def todays_checkpoint(family: str, folder):
     return folder
 
 
+@pytest.mark.parametrize("writer", ["kit", "transformers"])
 @pytest.mark.parametrize("family", TODAYS)
-def test_todays_families_token_for_token(tmp_path, family):
+def test_todays_families_token_for_token(tmp_path, family, writer):
     """vLLM on a Qwen3, Gemma 2, Gemma 3 or windowed Mistral checkpoint (the kit's or
     transformers'), float32, prompts of 5, 30 and 41 tokens past the window of 16: the kit's
     24 greedy tokens are vLLM's, every one."""
@@ -242,7 +241,7 @@ def test_todays_families_token_for_token(tmp_path, family):
     from kit.engine.kv_cache import KVCacheSpec
     from kit.engine.model import build_model
     from kit.vllm.greedy import greedy_from_checkpoint
-    folder = todays_checkpoint(family, tmp_path / family)
+    folder = todays_checkpoint(family, tmp_path / family, writer)
     arch = kit.config.ModelConfig.load(str(folder))
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (family != "qwen3")
     lengths, steps = [5, 30, 41], 23
