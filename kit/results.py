@@ -127,9 +127,9 @@ class Recorder:
         """Record named results (numbers, strings, small dicts). Each number should be typed
         (`kit.units`: `Bytes(n)`, `Seconds.of(...)`), so the pages show it in its unit; its
         unit is recorded under `units` by its dotted name."""
-        for name in results:  # a result recorded again loses its old units
-            self.data["units"] = {k: u for k, u in self.data["units"].items()
-                                  if k != name and not k.startswith(name + ".")}
+        def stale(key):  # the unit of a result recorded again, or of a part of it
+            return any(key == name or key.startswith(name + ".") for name in results)
+        self.data["units"] = {k: u for k, u in self.data["units"].items() if not stale(k)}
         self.data["results"].update(plain(results, self.data["units"]))
         self._save()
 

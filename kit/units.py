@@ -160,12 +160,14 @@ def fmt_quantity(value, unit: str | None) -> str:
         return fmt_seconds(value)
     if unit == "bytes/s":
         return f"{value / 1e9:,.4g} GB/s"
-    if unit in ("FLOP/s", "FLOP"):
-        return fmt_flops(value) if unit == "FLOP/s" else f"{value:,.4g} FLOP"
-    if unit in ("FLOP/byte", "tokens/s", "GB/s", "GFLOP/s"):
+    if unit == "FLOP/s":
+        return fmt_flops(value)
+    if unit in ("FLOP", "FLOP/byte", "tokens/s", "GB/s", "GFLOP/s"):
         return f"{value:,.4g} {unit}"
     if unit == "ratio":
         return f"{value:,.4g}×"
-    if unit in ("fraction", "percent"):
-        return f"{value * (100 if unit == 'fraction' else 1):.3g} %"
+    if unit == "fraction":
+        return f"{value * 100:.3g} %"
+    if unit == "percent":
+        return f"{value:.3g} %"
     return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"

@@ -67,11 +67,11 @@ def blocks_needed(lengths: list[int], steps: int, block_size: int,
     held = []
     for i in prefill_order(lengths):
         tables.allocate_slots(i, lengths[i])
-        held.append(tables.num_blocks - 1 - tables.num_free_blocks)
+        held.append(tables.num_held_blocks)
     for _ in range(steps):
         for i in range(len(lengths)):
             tables.allocate_slots(i, 1)
-            held.append(tables.num_blocks - 1 - tables.num_free_blocks)
+            held.append(tables.num_held_blocks)
     return 1 + max(held)
 
 
@@ -164,7 +164,7 @@ class PagedBatch:
                 self.copy_tables(i)
                 for g, group_slots in enumerate(slots):
                     group_slots += [self.allocator.slot(i, p, g) for p in range(length)]
-            self.held.append(self.num_held())
+            self.held.append(self.allocator.num_held_blocks)
             ids = torch.stack([prompts[i] for i in seqs]).to(device)
             last = forward(ids, torch.tensor(slots, device=device), self.kv_cache)
             for row, i in enumerate(seqs):
@@ -182,9 +182,6 @@ class PagedBatch:
             raise ValueError(f"the batch's KV cache groups {self.groups} are not the model's "
                              f"{groups}: build it with new_batch(..., groups=model_groups(arch))")
 
-    def num_held(self) -> int:
-        return self.allocator.num_blocks - 1 - self.allocator.num_free_blocks
-
     def copy_tables(self, seq: int) -> None:
         for g, table in enumerate(self.allocator.tables[seq]):
             self.block_tables[g, seq, :len(table)] = torch.tensor(table)
@@ -197,7 +194,7 @@ class PagedBatch:
             changed = self.allocator.allocate_slots(i, 1)
             if any(changed.freed) or any(changed.new):
                 self.copy_tables(i)
-        self.held.append(self.num_held())
+        self.held.append(self.allocator.num_held_blocks)
 
     @torch.no_grad()
     def step(self, step) -> torch.Tensor:

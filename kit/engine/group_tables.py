@@ -92,6 +92,11 @@ class GroupedBlockTables:
         """Free blocks, the null block not counted (`BlockPool.get_num_free_blocks`)."""
         return len(self.pool)
 
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks the sequences hold, across groups (the null block not counted)."""
+        return self.num_blocks - 1 - self.num_free_blocks
+
     def remove_skipped_blocks(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
         """Hand back each group's blocks that hold only skipped tokens, last block first,
         replacing them with the null block (`SingleTypeKVCacheManager.remove_skipped_blocks`
@@ -147,10 +152,6 @@ class GroupedBlockTables:
         for table in self.tables.pop(seq_id):
             self.pool.give_back(table[::-1])
         del self.num_computed_tokens[seq_id]
-
-    def group_of(self, layer: int) -> int:
-        """The index of the group whose table `layer` reads."""
-        return next(i for i, g in enumerate(self.groups) if layer in g.layers)
 
     def slot(self, seq_id: int, position: int, group: int) -> int:
         """Flat slot index (block id × block_size + offset) of token `position` for the layers
