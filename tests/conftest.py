@@ -20,9 +20,15 @@ _SESSION_STARTED = pytest.StashKey[float]()
 # The suite runs in two xdist workers (pyproject's addopts: -n 2 --dist loadgroup). Tests that
 # share a session-scoped run go to one worker, so each run happens once: the chapters' runs in
 # one group, everything that starts Ray in another (the cluster test's `ray stop --force` ends
-# every Ray instance on the machine, another worker's included).
+# every Ray instance on the machine, another worker's included). Tests that share an expensive
+# module-scoped fixture go to one worker as well, which builds it once instead of each worker
+# building its own (test_vllm's grid of vLLM sizings, about 20 s; test_memory's profiles).
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
-                "ray_cluster": "ray"}
+                "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
+                "engines": "vllm_engines", "profiles": "memory_profiles"}
+# Marks of the tests that take seconds to minutes: under xdist they are handed out first, so the
+# suite does not end with one worker running a long test while the other has nothing left.
+LONG = ("slow", "vllm", "browser")
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +90,13 @@ def join_group(item, group: str) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """A test that uses a headless run of notebooks is slow, whatever its module; under xdist a
-    test that uses a shared run or Ray joins that run's group (XDIST_GROUPS, or its own
-    `xdist_group` mark)."""
+    test that uses a shared run, Ray or an expensive module fixture joins that group
+    (XDIST_GROUPS, or its own `xdist_group` mark), and the long tests come first.
+
+    xdist hands out the groups largest first, then single tests in collection order, one or two
+    at a time as a worker runs dry; with the long ones (LONG) first, the last tests handed out
+    take a second or less."""
+    loadgroup = getattr(config.option, "loadgroup", False)  # set in xdist's workers
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if {"cpu_small_run", "not_ready_run", "chapter02_sweep"} & used:
@@ -93,8 +104,10 @@ def pytest_collection_modifyitems(config, items):
         groups = {XDIST_GROUPS[f] for f in used & XDIST_GROUPS.keys()}
         groups |= {m.args[0] for m in item.iter_markers("xdist_group")}
         assert len(groups) <= 1, f"{item.nodeid} needs runs of two xdist groups: {groups}"
-        if groups and getattr(config.option, "loadgroup", False):  # set in xdist's workers
+        if groups and loadgroup:
             join_group(item, groups.pop())
+    if loadgroup:  # a stable sort: each module's tests keep their order
+        items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in LONG))
 
 
 def pytest_terminal_summary(terminalreporter, config):

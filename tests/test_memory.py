@@ -91,3 +91,28 @@ def test_the_profiler_says_nothing_on_stderr():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "inside\nafter\n"
+
+
+def test_c_level_stderr_is_captured_for_one_block_and_handed_back():
+    """`fd2_captured(lines)`: what C code writes to descriptor 2 inside the block (vLLM's CPU
+    worker warns there at each engine start) comes back as lines, even when the block raises;
+    before and after, the descriptor is the process's own."""
+    import subprocess
+    import sys
+    code = ("import os\n"
+            "from kit.measure.fd2 import fd2_captured\n"
+            "os.write(2, b'before\\n')\n"
+            "lines = []\n"
+            "try:\n"
+            "    with fd2_captured(lines):\n"
+            "        os.write(2, b'one\\ntwo\\n')\n"
+            "        raise KeyError('inside')\n"
+            "except KeyError:\n"
+            "    pass\n"
+            "with fd2_captured():\n"
+            "    os.write(2, b'dropped\\n')\n"
+            "os.write(2, b'after\\n')\n"
+            "print(lines)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "before\nafter\n" and done.stdout == "['one', 'two']\n"

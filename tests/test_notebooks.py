@@ -2,6 +2,7 @@
 (the run is the session fixture `cpu_small_run` of conftest.py); notebooks stored workshop-ready."""
 import ast
 import json
+import re
 
 import nbformat
 import pytest
@@ -31,6 +32,32 @@ def test_no_cell_prints_to_stderr(cpu_small_run):
              for i, cell in enumerate(nbformat.read(folder / f"{chapter}.ipynb", 4).cells)
              for o in cell.get("outputs", []) if o.get("name") == "stderr"]
     assert not found, found
+
+
+# A library's log record as its handlers print it: a level, then the file and line that logged
+# it (vLLM's "INFO 12-05 02:28:09 [api_utils.py:286] ..."), a traceback it logged, or its
+# progress bar (tqdm's "45%|####", vLLM's "0% Completed | 0/1").
+LOG_LINE = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b.*\[[\w./-]+\.py:\d+\]"
+                      r"|Traceback \(most recent call last\)|\d+%\s*(Completed\s*)?\|")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def output_text(output) -> str:
+    text = output.get("text") or output.get("data", {}).get("text/plain", "")
+    return ANSI.sub("", "".join(text))
+
+
+def test_no_cell_shows_a_librarys_log(cpu_small_run):
+    """Nor on stdout or in a display: a library's log lines (vLLM's start-up, seventy lines
+    for each engine) and progress bars belong in the run's logs, not between the chapter's own
+    lines."""
+    _, _, folder = cpu_small_run
+    found = [(chapter, i, line[:200])
+             for chapter in CHAPTERS
+             for i, cell in enumerate(nbformat.read(folder / f"{chapter}.ipynb", 4).cells)
+             for o in cell.get("outputs", [])
+             for line in output_text(o).splitlines() if LOG_LINE.search(line)]
+    assert not found, found[:5]
 
 
 def test_whole_run_succeeds(cpu_small_run):

@@ -1,5 +1,6 @@
 """`python -m kit sweep`: grids refused before Ray starts, the points run as Ray tasks (a local
-instance, and a two-node cluster on 127.0.0.1), a failed point recorded and resumed, the page.
+instance; a two-node cluster on 127.0.0.1, where a failed point is recorded and resumed), the
+page.
 
 The chapter 02 sweep itself is the session fixture `chapter02_sweep` (conftest.py), shared with
 the browser test of its page."""
@@ -16,9 +17,7 @@ import pytest
 
 from kit.errors import ConfigError
 from kit.sweep import grid
-from kit.cli.main import main
 from kit.execute.notebooks import find_notebooks
-from kit.sweep.driver import sweep
 from kit.pages.sweep_page import at_once, curve_lines, render, pr_series, varying_numbers
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -180,64 +179,65 @@ def test_chapter02_sweep_on_a_local_ray_instance(chapter02_sweep):
 @pytest.fixture
 def ray_cluster(tmp_path):
     """A head and one worker node, both on 127.0.0.1, one CPU each (token authentication, as
-    Ray 2.60 requires for a node to join); stopped afterwards."""
+    Ray 2.60 requires for a node to join), started with KIT_FIXTURE_FAIL naming a file that
+    the fixture notebook reads (empty: no point fails); stopped afterwards."""
     ray = str(Path(sys.executable).parent / "ray")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    fail = tmp_path / "fail"
+    fail.write_text("")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "KIT_FIXTURE_FAIL": str(fail)}
     common = ["--num-cpus=1", "--node-ip-address=127.0.0.1", "--disable-usage-stats"]
     try:
         subprocess.run([ray, "start", "--head", f"--port={port}", "--include-dashboard=false",
                         *common], env=env, check=True, capture_output=True, timeout=120)
         subprocess.run([ray, "start", f"--address=127.0.0.1:{port}", *common], env=env,
                        check=True, capture_output=True, timeout=120)
-        yield f"127.0.0.1:{port}", env
+        yield f"127.0.0.1:{port}", env, fail
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+def kit_sweep(env, *args):
+    return subprocess.run([sys.executable, "-m", "kit", "sweep", *args, "--no-progress"],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
-def test_sweep_on_a_two_node_cluster(ray_cluster, tmp_path):
-    address, env = ray_cluster
-    done = subprocess.run([sys.executable, "-m", "kit", "sweep", POINT, "--grid", "seed=1,2",
-                           "--grid", "batch_size=3,5", "--address", address, "--parallel", "2",
-                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_a_failed_point_on_a_two_node_cluster_is_recorded_and_resume_finishes_it(ray_cluster,
+                                                                                 tmp_path):
+    """Three points on two nodes, the one with seed 2 failing at run time: recorded with its
+    error and its run folder, listed first on the page, the resume command printed. Resumed on
+    the same cluster, only the failed point and one whose folder went missing run again."""
+    address, env, fail = ray_cluster
+    fail.write_text("2")  # the point with seed 2 raises
+    done = kit_sweep(env, POINT, "--grid", "seed=1,2,3", "-p", "batch_size=4", "--address",
+                     address, "--parallel", "2", "--out", str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
     folder = next(tmp_path.glob("sweep-*"))
     s = json.loads((folder / "sweep.json").read_text())
     assert s["runs"][0]["nodes"] == 2 and s["runs"][0]["address"] == address
     assert len({p["node"]["node_id"] for p in s["points"]}) == 2  # both nodes ran points
-    for p in s["points"]:
-        seed, batch = p["parameters"]["seed"], p["parameters"]["batch_size"]
-        assert p["results"]["sweep_point.product"] == seed * batch
-        assert (folder / p["folder"] / "sweep_point.ipynb").is_file()  # shipped back
-    assert "on node" in done.stdout and "4/4 points ok" in done.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")  # starts a local Ray instance (conftest.XDIST_GROUPS)
-def test_a_failed_point_is_recorded_and_resume_finishes_the_sweep(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("KIT_FIXTURE_FAIL", "2")  # the point with seed 2 raises
-    code, folder = sweep("cpu-small", [POINT], ["seed=1,2,3"], ["batch_size=4"], out=tmp_path,
-                         progress=False)
-    s = json.loads((folder / "sweep.json").read_text())
-    assert code == 1 and [p["status"] for p in s["points"]] == ["ok", "failed", "ok"]
+    assert [p["status"] for p in s["points"]] == ["ok", "failed", "ok"]
     failed = s["points"][1]
     assert "RuntimeError: point with seed=2 fails on purpose" in failed["error"]
-    assert (folder / failed["folder"] / "report.html").is_file()  # its run folder came back
+    for p in s["points"]:  # every run folder shipped back from its node, the failed one's too
+        assert (folder / p["folder"] / "sweep_point.ipynb").is_file()
+        assert (folder / p["folder"] / "report.html").is_file()
     page = (folder / "sweep.html").read_text()
     assert "1 of 3 points did not finish ok" in page and "fails on purpose" in page
     assert page.index(failed["name"]) < page.index(s["points"][0]["name"])  # failed first
-    assert f"--resume {folder}" in capsys.readouterr().out
+    assert "on node" in done.stdout and "2/3 points ok" in done.stdout
+    assert f"--resume {folder}" in done.stdout
     shutil.rmtree(folder / s["points"][2]["folder"])  # a point gone missing
     kept = (folder / s["points"][0]["folder"] / "summary.json").stat().st_mtime_ns
 
-    monkeypatch.delenv("KIT_FIXTURE_FAIL")
-    assert main(["sweep", "--resume", str(folder), "--no-progress"]) == 0
+    fail.write_text("")
+    done = kit_sweep(env, "--resume", str(folder), "--address", address, "--parallel", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
     s = json.loads((folder / "sweep.json").read_text())
-    assert [p["status"] for p in s["points"]] == ["ok"] * 3
+    assert [p["status"] for p in s["points"]] == ["ok"] * 3 and "3/3 points ok" in done.stdout
     assert [p["attempts"] for p in s["points"]] == [1, 2, 2]  # only the failed and the missing
     assert (folder / s["points"][0]["folder"] / "summary.json").stat().st_mtime_ns == kept
     assert len(s["runs"]) == 2

@@ -277,35 +277,55 @@ def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
 
 
 def test_bench_vllm_times_both_sides_per_step_and_end_to_end(tmp_path, capsys):
-    """`python -m kit bench vllm`: the kit and vLLM, eager and compiled, per decode step and end
-    to end, in one folder (result.json, each engine's log); the ratios are the medians'."""
+    """`python -m kit bench vllm --modes eager`: the kit and vLLM per decode step and end to
+    end, in one folder (result.json, the engine's log); the ratios are the medians'. Both modes
+    of the same `side_by_side` run in chapter 05 of the suite's shared run."""
     from kit.cli.main import main
     out = tmp_path / "bench"
     rc = main(["bench", "vllm", "-p", "batch_size=2", "-p", "input_len=16", "-p", "output_len=5",
-               "-p", "kv_cache_memory_bytes=64MiB", "--out", str(out)])
+               "-p", "kv_cache_memory_bytes=64MiB", "--modes", "eager", "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads((out / "result.json").read_text())
-    assert [r["mode"] for r in result["decode"]] == ["eager", "compiled"]
-    assert [r["kit strategy"] for r in result["end_to_end"]] == ["eager", "guard_free"]
-    for mode in ("eager", "compiled"):
-        kit_side, vllm_side = result["kit"][mode], result["vllm"][mode]
-        assert kit_side["error"] is None and vllm_side["ok"]
-        assert 0 < kit_side["prefill_seconds"] < kit_side["end_to_end_seconds"]
-        assert 0 < vllm_side["prefill_median"] < vllm_side["end_to_end_median"]
-        # in turns: one kit generation after each of vLLM's, its warm-up's included
-        assert len(kit_side["generations"]) == len(vllm_side["generation_seconds"]) + 1
-        assert (out / f"vllm-tiny-{mode}.log").read_text().strip()
-    kit_best = min(statistics.median(k["step_seconds"]) for k in result["kit"].values())
-    vllm_best = min(v["decode_step_median"] for v in result["vllm"].values())
-    assert result["best_step_ratio"] == pytest.approx(kit_best / vllm_best)
+    assert result["modes"] == ["eager"] and [r["mode"] for r in result["decode"]] == ["eager"]
+    assert [r["kit strategy"] for r in result["end_to_end"]] == ["eager"]
+    kit_side, vllm_side = result["kit"]["eager"], result["vllm"]["eager"]
+    assert kit_side["error"] is None and vllm_side["ok"]
+    assert 0 < kit_side["prefill_seconds"] < kit_side["end_to_end_seconds"]
+    assert 0 < vllm_side["prefill_median"] < vllm_side["end_to_end_median"]
+    # in turns: one kit generation after each of vLLM's, its warm-up's included
+    assert len(kit_side["generations"]) == len(vllm_side["generation_seconds"]) + 1
+    assert (out / "vllm-tiny-eager.log").read_text().strip()
+    assert not (out / "vllm-tiny-compiled.log").exists()
+    kit_step = statistics.median(kit_side["step_seconds"])
+    assert result["best_step_ratio"] == pytest.approx(kit_step / vllm_side["decode_step_median"])
     assert "kit's best ÷ vLLM's best, end to end" in printed
 
 
-def test_bench_vllm_refuses_a_run_without_a_kv_budget_before_any_work(tmp_path, capsys):
+def test_best_against_best_takes_each_sides_quickest_mode():
+    """The kit's quickest step over vLLM's quickest, whichever modes they come from (chapter 05
+    and `bench vllm`); a mode where one side has no time is left out of that side only."""
+    from kit.studies.vllm_side_by_side import DecodeComparison, best_ratio
+    eager = DecodeComparison("eager", "eager", 0.020, 0.012, None, None, 5.0,
+                             kit_end_to_end=0.5, vllm_end_to_end=0.4)
+    compiled = DecodeComparison("compiled", "guard_free", 0.006, 0.015, 16.0, 12.0, 15.0,
+                                kit_end_to_end=0.2, vllm_end_to_end=0.45)
+    broken = DecodeComparison("compiled", "guard_free", None, 0.010, None, None, 1.0)
+    assert best_ratio([eager, compiled]) == pytest.approx(0.006 / 0.012)
+    assert best_ratio([eager, compiled], end_to_end=True) == pytest.approx(0.2 / 0.4)
+    assert best_ratio([eager, broken]) == pytest.approx(0.020 / 0.010)
+    assert best_ratio([broken]) is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "kv_cache_memory_bytes=None"], "kv_cache_memory_bytes"),
+    (["--modes", "eager,fast"], "--modes eager,fast: give one or both of eager, compiled"),
+    (["--modes", "compiled,compiled"], "each once"),
+])
+def test_bench_vllm_refuses_bad_input_before_any_work(tmp_path, capsys, args, message):
     from kit.cli.main import main
-    rc = main(["bench", "vllm", "-p", "kv_cache_memory_bytes=None", "--out", str(tmp_path / "b")])
-    assert rc == 2 and "kv_cache_memory_bytes" in capsys.readouterr().err
+    rc = main(["bench", "vllm", *args, "--out", str(tmp_path / "b")])
+    assert rc == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 

@@ -1,7 +1,7 @@
 """`python -m kit bench vllm`: chapter 05's decode comparison without the notebook. The kit's
-decode (eager and its compiled strategy) and vLLM's engine (eager and compiled) on the same
-model, dtype, batch, prompts' length and KV budget, in one process, taking turns generation by
-generation (`side_by_side`): each decode step's median and the same requests end to end
+decode (eager and its compiled strategy) and vLLM's engine (eager and compiled, or the modes
+`--modes` names) on the same model, dtype, batch, prompts' length and KV budget, in one
+process, taking turns generation by generation (`side_by_side`): each decode step's median and the same requests end to end
 (prefill and every step), the ratios kit ÷ vLLM per mode and best against best; prints the
 tables and writes a folder (default `runs/bench/vllm-<time>-<preset>/`): `result.json` and
 vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed, never asserted.
@@ -29,7 +29,24 @@ def add_vllm_cli(benchmarks, common) -> None:
     common(p)
     p.add_argument("--out", type=Path, default=None,
                    help="folder to write (default: runs/bench/vllm-<time>-<preset>/)")
+    p.add_argument("--modes", default=None, metavar="MODE[,MODE]",
+                   help="which of vLLM's modes, each beside the kit's match (default "
+                   "eager,compiled; compiled alone skips the eager pair, the slow one on "
+                   "a large model)")
     p.set_defaults(func=bench_vllm)
+
+
+def parse_modes(text: str | None) -> tuple[str, ...]:
+    """`--modes compiled` -> ("compiled",), None -> both; refuses an unknown or repeated mode."""
+    from kit.vllm.engine_runs import MODES
+    if text is None:
+        return MODES
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown or len(set(modes)) < len(modes):
+        raise ConfigError(f"--modes {text}: give one or both of {', '.join(MODES)}, "
+                          "comma-separated, each once")
+    return modes
 
 
 def settings_for(preset: str, params: list[str]):
@@ -45,6 +62,7 @@ def bench_vllm(args) -> int:
     from kit.studies import vllm_side_by_side
     from kit.vllm.installed import vllm_missing, vllm_version
     settings = settings_for(args.preset, args.param)
+    modes = parse_modes(args.modes)
     vllm_side_by_side.chapter_budget(settings)
     missing = vllm_missing()
     if missing:
@@ -55,10 +73,11 @@ def bench_vllm(args) -> int:
     print(f"kit: {settings.arch.name} {settings.dtype}, batch {settings.batch_size}, "
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
     kit, runs = vllm_side_by_side.side_by_side(settings, folder,
-                                               progress=lambda m: print(m, flush=True))
+                                               progress=lambda m: print(m, flush=True),
+                                               modes=modes)
     started = {m: r for m, r in runs.items() if r.ok}
     comparisons = vllm_side_by_side.decode_comparison(kit, started)
-    result = {"preset": args.preset, "parameters": parse_params(args.param),
+    result = {"preset": args.preset, "parameters": parse_params(args.param), "modes": modes,
               "settings": settings.as_dict(),
               "machine": describe(settings.device),
               "versions": versions(), "vllm_version": vllm_version(),

@@ -81,9 +81,13 @@ def validate(preset: str, notebooks: list[Path], params: dict) -> dict[Path, set
 
 def kernel_env() -> dict:
     """The kernels' environment: this process's, with this kit's folder first on PYTHONPATH, so
-    a kernel imports the kit that runs it, not another checkout installed in the same venv."""
+    a kernel imports the kit that runs it, not another checkout installed in the same venv.
+    Without pytest's PYTEST_CURRENT_TEST: with it, ipykernel leaves file descriptors 1 and 2
+    unwatched, so C-level prints that JupyterLab shows under a cell would not reach the
+    notebook of a run started from a test."""
     paths = [str(DATA.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progress) -> dict:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
+from kit.measure.fd2 import fd2_captured
 from kit.measure.timing import Timings, median_or_none
 from kit.units import Bytes, Count, Ratio, Seconds, typed
 from kit.vllm.installed import in_process, vllm_missing
@@ -274,9 +275,11 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
     in_process()
     import torch
     from vllm import LLM
-    llm, records = None, []
+    llm, records, c_lines = None, [], []
     args = engine_kwargs(model_folder, mode, **kwargs)
-    with keep_torch_threads(), captured_vllm_log(records, echo=echo_log):
+    # C-level lines (the CPU worker's NUMA-binding warning) go to the log with vLLM's records
+    c_level = contextlib.nullcontext() if echo_log else fd2_captured(c_lines)
+    with keep_torch_threads(), captured_vllm_log(records, echo=echo_log), c_level:
         try:
             t0 = time.perf_counter()
             llm = LLM(**args)
@@ -299,7 +302,7 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
                 shutdown(llm)
                 llm = None
             gc.collect()
-    run.log = format_records(records)
+    run.log = format_records(records) + [f"stderr (C-level): {line}" for line in c_lines]
     return run
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kit.measure.fd2 import fd2_captured
 from kit.units import MiB
 from kit.vllm.engine_runs import keep_torch_threads, shutdown
 from kit.vllm.installed import in_process
+from kit.vllm.log import captured_vllm_log
 
 
 @dataclass
@@ -29,18 +31,22 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
     in_process()
     from vllm import LLM, SamplingParams
     longest = max(len(p) for p in prompts) + new_tokens
-    llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-              block_size=block_size, max_model_len=max(longest, block_size),
-              max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
-              kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0, logprobs=1,
                             detokenize=False)
-    try:
-        with keep_torch_threads():
+    # vLLM's start-up and shut-down lines (seventy-odd, a traceback among them), its C-level
+    # NUMA-binding warning and its weight-loading bar stay out of the notebook's output; a
+    # failure still raises its message
+    with keep_torch_threads(), captured_vllm_log([]), fd2_captured():
+        llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                  block_size=block_size, max_model_len=max(longest, block_size),
+                  max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
+                  kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0,
+                  use_tqdm_on_load=False)
+        try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
-    finally:
-        shutdown(llm)
+        finally:
+            shutdown(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for t, step in zip(toks, o.outputs[0].logprobs)]
                 for toks, o in zip(tokens, outs)]
