@@ -28,7 +28,9 @@ stamp=.venv/.kit-setup
 want=$( (cat pyproject.toml setup.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "setup.sh: installing into .venv with extras [$extras] (a few minutes the first time) ..."
-    pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+    # --no-compile: pip would byte-compile all 28,000 files it installs, one at a time (about a
+    # minute here); Python compiles the few thousand that are imported, once, on first import.
+    pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-compile)
     # The CPU build of torch 2.13.0, the one vLLM's CPU package requires; pinned again with the
     # kit so that nothing the extras pull in moves it.
     "${pip[@]}" "torch==2.13.0"
