@@ -26,9 +26,6 @@ _SESSION_STARTED = pytest.StashKey[float]()
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
                 "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
                 "engines": "vllm_engines", "profiles": "memory_profiles"}
-# Marks of the tests that take seconds to minutes: under xdist they are handed out first, so the
-# suite does not end with one worker running a long test while the other has nothing left.
-LONG = ("slow", "vllm", "browser")
 
 
 @pytest.fixture(autouse=True)
@@ -91,11 +88,7 @@ def join_group(item, group: str) -> None:
 def pytest_collection_modifyitems(config, items):
     """A test that uses a headless run of notebooks is slow, whatever its module; under xdist a
     test that uses a shared run, Ray or an expensive module fixture joins that group
-    (XDIST_GROUPS, or its own `xdist_group` mark), and the long tests come first.
-
-    xdist hands out the groups largest first, then single tests in collection order, one or two
-    at a time as a worker runs dry; with the long ones (LONG) first, the last tests handed out
-    take a second or less."""
+    (XDIST_GROUPS, or its own `xdist_group` mark)."""
     loadgroup = getattr(config.option, "loadgroup", False)  # set in xdist's workers
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
@@ -106,8 +99,6 @@ def pytest_collection_modifyitems(config, items):
         assert len(groups) <= 1, f"{item.nodeid} needs runs of two xdist groups: {groups}"
         if groups and loadgroup:
             join_group(item, groups.pop())
-    if loadgroup:  # a stable sort: each module's tests keep their order
-        items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in LONG))
 
 
 def pytest_terminal_summary(terminalreporter, config):
