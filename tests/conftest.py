@@ -89,7 +89,6 @@ def pytest_collection_modifyitems(config, items):
     """A test that uses a headless run of notebooks is slow, whatever its module; under xdist a
     test that uses a shared run, Ray or an expensive module fixture joins that group
     (XDIST_GROUPS, or its own `xdist_group` mark)."""
-    loadgroup = getattr(config.option, "loadgroup", False)  # set in xdist's workers
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         if {"cpu_small_run", "not_ready_run", "chapter02_sweep"} & used:
@@ -97,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
         groups = {XDIST_GROUPS[f] for f in used & XDIST_GROUPS.keys()}
         groups |= {m.args[0] for m in item.iter_markers("xdist_group")}
         assert len(groups) <= 1, f"{item.nodeid} needs runs of two xdist groups: {groups}"
-        if groups and loadgroup:
+        if groups and getattr(config.option, "loadgroup", False):  # set in xdist's workers
             join_group(item, groups.pop())
 
 

@@ -1,10 +1,11 @@
 """`python -m kit bench vllm`: chapter 05's decode comparison without the notebook. The kit's
 decode (eager and its compiled strategy) and vLLM's engine (eager and compiled, or the modes
 `--modes` names) on the same model, dtype, batch, prompts' length and KV budget, in one
-process, taking turns generation by generation (`side_by_side`): each decode step's median and the same requests end to end
-(prefill and every step), the ratios kit ÷ vLLM per mode and best against best; prints the
-tables and writes a folder (default `runs/bench/vllm-<time>-<preset>/`): `result.json` and
-vLLM's start-up logs. The target (best ÷ best at most 1.0) is printed, never asserted.
+process, taking turns generation by generation (`side_by_side`): each decode step's median and
+the same requests end to end (prefill and every step), the ratios kit ÷ vLLM per mode and best
+against best; prints the tables and writes a folder (default
+`runs/bench/vllm-<time>-<preset>/`): `result.json` and vLLM's start-up logs. The target
+(best ÷ best at most 1.0) is printed, never asserted.
 """
 from __future__ import annotations
 

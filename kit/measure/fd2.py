@@ -21,7 +21,7 @@ def fd2_captured(lines: list[str] | None = None):
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            yield lines
+            yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from kit.measure.fd2 import fd2_captured
 from kit.measure.timing import Timings, median_or_none
 from kit.units import Bytes, Count, Ratio, Seconds, typed
 from kit.vllm.installed import in_process, vllm_missing
@@ -275,11 +274,9 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
     in_process()
     import torch
     from vllm import LLM
-    llm, records, c_lines = None, [], []
+    llm, records = None, []
     args = engine_kwargs(model_folder, mode, **kwargs)
-    # C-level lines (the CPU worker's NUMA-binding warning) go to the log with vLLM's records
-    c_level = contextlib.nullcontext() if echo_log else fd2_captured(c_lines)
-    with keep_torch_threads(), captured_vllm_log(records, echo=echo_log), c_level:
+    with keep_torch_threads(), captured_vllm_log(records, echo=echo_log):
         try:
             t0 = time.perf_counter()
             llm = LLM(**args)
@@ -302,7 +299,7 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
                 shutdown(llm)
                 llm = None
             gc.collect()
-    run.log = format_records(records) + [f"stderr (C-level): {line}" for line in c_lines]
+    run.log = format_records(records)
     return run
 
 

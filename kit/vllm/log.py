@@ -1,11 +1,14 @@
-"""vLLM's log, kept apart: its records collected with their times (`captured_vllm_log`), its
-console lines muted, phases timed from it, and a refusal turned into one line saying what to do."""
+"""vLLM's log, kept apart: its records collected with their times (`captured_vllm_log`, the
+C-level lines on file descriptor 2 among them), its console lines muted, phases timed from it,
+and a refusal turned into one line saying what to do."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
 import warnings
+
+from kit.measure.fd2 import fd2_captured
 
 
 def fail_message(e: BaseException) -> str:
@@ -81,6 +84,8 @@ def logged_once(call, contains: str) -> str | None:
 @contextlib.contextmanager
 def captured_vllm_log(records: list, logging_config=None, echo: bool = False):
     """Collect vLLM's log records into `records`; silence its console handler unless `echo`.
+    Unless `echo`, what C code writes to file descriptor 2 meanwhile (the CPU worker's
+    NUMA-binding warning at each engine start) is kept too, appended as records of "stderr".
 
     vLLM configures its loggers once per process, at the first `LLM(...)` or engine config,
     which would replace the handlers seen here; applying that configuration first (its default,
@@ -99,9 +104,13 @@ def captured_vllm_log(records: list, logging_config=None, echo: bool = False):
     for h in muted:
         h.setLevel(logging.CRITICAL + 1)
     logger.addHandler(handler)
+    c_lines: list[str] = []
     try:
-        yield
+        with contextlib.nullcontext() if echo else fd2_captured(c_lines):
+            yield
     finally:
         logger.removeHandler(handler)
         for h, level in zip(muted, levels):
             h.setLevel(level)
+        records.extend(logging.makeLogRecord({"name": "stderr", "levelname": "C-LEVEL",
+                                              "msg": line}) for line in c_lines)
