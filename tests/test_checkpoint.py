@@ -13,7 +13,7 @@ from kit.config import ModelConfig
 from kit.engine.checkpoint import hf_shapes
 from kit.engine.decode import batch_for_run, generate, make_prompts
 from kit.engine.decode_runners import decode_runner
-from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.layers.attention import summed_attention
 from kit.engine.model import build_model
 from kit.errors import ConfigError
@@ -281,9 +281,9 @@ def kit_paged_decode(folder, lengths, steps, strategy, dtype="float32"):
     blocks and steps cross block edges) through `strategy`'s runner of the step; -> the
     prompts and the run (every step's logits and tokens)."""
     model = kit_model(folder, dtype)
-    spec = KVCacheSpec.for_model(model.arch, 4, dtype)
+    layout = KVCacheLayout.for_model(model.arch, 4, dtype)
     prompts = make_prompts(lengths, model.arch.vocab_size, 3)
-    batch = batch_for_run(spec, lengths, steps, dtype, "cpu")
+    batch = batch_for_run(layout, lengths, steps, "cpu")
     if strategy == "eager_summed":  # eagerly, the attention summed as compiled code sums it
         with summed_attention():
             return prompts, generate(model, batch, prompts, steps)

@@ -10,9 +10,10 @@ import torch
 import kit
 from kit.cli.main import main
 from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
-from kit.engine.decode import (batch_for_run, blocks_needed, check_against_reference, generate,
-                               make_prompts, new_batch, step_function)
-from kit.engine.kv_cache import KVCacheSpec, allocate
+from kit.engine.decode import (batch_for_run, check_against_reference, generate, make_prompts,
+                               new_batch, peak_blocks, prefill_function, step_function)
+from kit.engine.kv_cache import KVCacheLayout, allocate
+from kit.engine.kv_specs import attention_specs
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
@@ -43,8 +44,8 @@ STEPS = 7               # every sequence crosses at least one more block edge wh
 
 def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3, block_size=BLOCK_SIZE):
     model = build_model(a, dtype, "cpu", seed=0)
-    spec = KVCacheSpec.for_model(a, block_size, dtype)
-    batch = batch_for_run(spec, lengths, steps, dtype, "cpu", spare_blocks)
+    layout = KVCacheLayout.for_model(a, block_size, dtype)
+    batch = batch_for_run(layout, lengths, steps, "cpu", spare_blocks)
     prompts = make_prompts(lengths, a.vocab_size, seed=1)
     run = generate(model, batch, prompts, steps)
     return model, prompts, batch, run
@@ -77,12 +78,13 @@ def test_the_blocks_really_are_paged():
 def test_sliding_groups_hand_back_blocks_that_leave_their_window(key):
     """As vLLM's sliding-window manager does, before each step a sliding group hands back the
     blocks wholly before its window (the null block takes their place in its table): the run
-    holds fewer blocks than full attention would, runs on exactly `blocks_needed` blocks, and
+    holds fewer blocks than full attention would, runs on exactly `peak_blocks` blocks, and
     its logits still equal the no-cache reference."""
     a = ARCHS[key]
-    spec = KVCacheSpec.for_model(a, BLOCK_SIZE, "float32")
-    need = blocks_needed(LENGTHS, STEPS, BLOCK_SIZE, spec.groups)
-    full = 1 + (blocks_needed(LENGTHS, STEPS, BLOCK_SIZE) - 1) * len(spec.groups)  # none back
+    spec = KVCacheLayout.for_model(a, BLOCK_SIZE, "float32")
+    need = peak_blocks(spec, LENGTHS, STEPS)
+    at_end = sum(-(-(n + STEPS) // BLOCK_SIZE) for n in LENGTHS)
+    full = 1 + at_end * len(spec.groups)  # none handed back
     model, prompts, batch, run = paged_run(a, "float32", spare_blocks=0)
     assert batch.kv_cache.shape[:3] == (spec.group_size, 2, need)  # vLLM's layout, no spare
     assert check_against_reference(model, prompts, run, "float32").max_error < 1e-5
@@ -98,12 +100,20 @@ def test_sliding_groups_hand_back_blocks_that_leave_their_window(key):
         assert max(batch.held) > sum(-(-(n + STEPS) // BLOCK_SIZE) for n in LENGTHS)
 
 
-def test_a_batch_refuses_tables_that_are_not_the_models_groups():
+def test_a_batch_refuses_a_cache_or_a_model_that_is_not_its_layouts():
     a = ARCHS["window-gemma3"]
-    spec = KVCacheSpec.for_model(a, BLOCK_SIZE, "float32")
-    batch = new_batch(allocate(spec, 40, "float32", "cpu"), LENGTHS, STEPS)  # one table only
-    with pytest.raises(ValueError, match="KV cache groups"):
-        batch.start(build_model(a, "float32", "cpu"), make_prompts(LENGTHS, a.vocab_size))
+    layout = KVCacheLayout.for_model(a, BLOCK_SIZE, "float32")  # two groups of one layer
+    one_group = KVCacheLayout.for_model(ARCHS["mqa"], BLOCK_SIZE, "float32")
+    with pytest.raises(ValueError, match="not the layout's"):
+        new_batch(layout, allocate(one_group, 40, "cpu"), LENGTHS, STEPS)
+    batch = new_batch(layout, allocate(layout, 40, "cpu"), LENGTHS, STEPS)
+    three = arch(4, 1, "gemma3_text", sliding_window=5, hidden_act="gelu", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="a layout of 2 layers for a model of 3"):
+        batch.start(build_model(three, "float32", "cpu"), make_prompts(LENGTHS, a.vocab_size))
+    with pytest.raises(RuntimeError, match="bind_kv_cache"):  # a paged forward needs the binding
+        prefill_function(build_model(a, "float32", "cpu"))(
+            torch.zeros(1, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long),
+            batch.kv_cache)
 
 
 def test_a_wrong_context_length_is_caught():
@@ -139,7 +149,9 @@ def test_roofline_bytes_and_flops_by_hand():
     # final norm 8; LM head 80.
     assert a.num_parameters() == 80 + 2 * 592 + 8 + 80 == 1352
     kv_per_token = 2 * 2 * 1 * 4 * 2  # K and V × layers × KV heads × head_dim × 2 bytes = 32
-    cost = decode_step_cost(a, 2, kv_per_token, [3, 5])
+    full = attention_specs((None, None), 16, 1, 4, 2)
+    assert sum(spec.bytes_per_token for spec in full) == kv_per_token
+    cost = decode_step_cost(a, 2, full, [3, 5])
     assert cost.weight_bytes == (1352 - 80 + 2 * 8) * 2 == 2576  # embedding: only 2 rows
     assert cost.kv_read_bytes == (2 + 4) * 32                     # the tokens before the new ones
     assert cost.kv_write_bytes == 2 * 32
@@ -150,7 +162,7 @@ def test_roofline_bytes_and_flops_by_hand():
     assert cost.flops == 2 * 2 * (2 * 576 + 80) + 4 * 2 * 2 * 4 * 8 == 5440
     assert cost.floor_seconds(2872e3) == pytest.approx(1e-3)
     # layer 0 slides over the last 4 tokens: it attends to 3 and 4, layer 1 to 3 and 5
-    windowed = decode_step_cost(a, 2, kv_per_token, [3, 5], windows=(4, None))
+    windowed = decode_step_cost(a, 2, attention_specs((4, None), 16, 1, 4, 2), [3, 5])
     assert windowed.kv_read_bytes == (2 + 3 + 2 + 4) * 16 and windowed.kv_write_bytes == 64
     assert windowed.flops == 2 * 2 * (2 * 576 + 80) + 4 * 2 * 4 * (3 + 4 + 3 + 5)
 
@@ -176,17 +188,18 @@ def test_too_many_tokens_for_the_cache_says_how_many_blocks_are_missing():
     # 4 sequences of 64 + 15 tokens need 5 blocks each, and the null block: 21 blocks; the
     # budget holds 10.
     s = kit.load("cpu-small", kv_cache_memory_bytes=10 * 32768)
+    layout = KVCacheLayout.for_settings(s)
     with pytest.raises(ConfigError, match="needs 21 KV cache blocks.*null block.*holds 10: 11 "
                                           "blocks missing"):
-        early_fit(s)
+        early_fit(s, layout)
     with pytest.raises(ConfigError, match="11 blocks missing"):
-        run_decode(s, progress=lambda m: None)
+        run_decode(s, layout, progress=lambda m: None)
 
 
 def test_the_largest_possible_cache_is_checked_before_loading_anything():
     s = kit.load("cpu-small", device_memory="45MB")  # 0.9 × 45 MB < 40.6 MB of weights
     with pytest.raises(ConfigError, match="holds 0: 21 blocks missing"):
-        early_fit(s)
+        early_fit(s, KVCacheLayout.for_settings(s))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -201,10 +214,11 @@ def test_bad_settings_are_refused_with_what_to_change(overrides, message):
 
 
 def test_decode_needs_a_step_and_one_device():
-    with pytest.raises(ConfigError, match="output_len of 2 or more"):
-        check_request(kit.load("cpu-small", output_len=1))
-    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8'"):
-        check_request(kit.load("cpu-small", kv_cache_dtype="fp8"))
+    for overrides, message in (({"output_len": 1}, "output_len of 2 or more"),
+                               ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'")):
+        s = kit.load("cpu-small", **overrides)
+        with pytest.raises(ConfigError, match=message):
+            check_request(s, KVCacheLayout.for_settings(s))
 
 
 def test_strategies_setting_accepts_lists_and_strings():

@@ -18,10 +18,11 @@ from dataclasses import replace
 import pytest
 
 import kit
-from kit.config import MODELS_DIR, ModelConfig, known_names
-from kit.engine.kv_cache import KVCacheSpec, in_flight_tokens, size_kv_cache
+from kit.config import MODELS_DIR, ModelConfig, known_names, with_layer_pattern
+from kit.engine.kv_cache import KVCacheLayout, in_flight_tokens, kv_cache_config
 from kit.errors import ConfigError
-from kit.studies.vllm_side_by_side import agreement_grid, engine_agreement, kv_agreement
+from kit.studies.vllm_side_by_side import (agreement_grid, engine_agreement, kit_kv_config,
+                                           kv_agreement)
 from kit.vllm.engine_runs import run_engine, run_settings
 from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.installed import vllm_missing
@@ -55,7 +56,7 @@ def test_both_refuse_when_only_the_null_block_is_missing(model):
     """A budget of exactly the blocks one max_model_len request fills: vLLM refuses (one block
     is its pool's null block), and so must the kit; one block more and both accept."""
     settings = kit.load("cpu-small", model=model, block_size=32, max_model_len=MAX_MODEL_LEN)
-    spec = KVCacheSpec.from_settings(settings)
+    spec = KVCacheLayout.for_settings(settings)
     need = spec.blocks_per_request(settings.max_model_len, in_flight_tokens(settings))
     rows = agreement_grid("cpu-small", [model], [need * spec.bytes_per_block,
                                                  (need + 1) * spec.bytes_per_block],
@@ -69,8 +70,9 @@ def test_both_refuse_when_only_the_null_block_is_missing(model):
 def test_a_float32_model_agrees(model, cache_dtype):
     settings = kit.load("cpu-small", model=model, dtype="float32", block_size=32,
                         kv_cache_dtype=cache_dtype, max_model_len=1024)
-    row = kv_agreement(settings, 2**30)
-    assert row.agree and row.kit_blocks == 2**30 // KVCacheSpec.from_settings(settings).bytes_per_block
+    layout = KVCacheLayout.for_settings(settings)
+    row = kv_agreement(layout, settings, 2**30)
+    assert row.agree and row.kit_blocks == 2**30 // layout.bytes_per_block
     assert row.kit_blocks > 0
 
 
@@ -103,7 +105,8 @@ def test_the_tiny_engine_starts_and_agrees_with_the_kit(engines):
     assert run.ok, run.error
     assert run.block_size == 128 and run.compilation_mode == "NONE"
     assert run.specs_as_built  # the no-engine path builds the engine's own layer specs
-    agreement = engine_agreement(settings, 96 * 2**20, run)
+    kit_side = kit_kv_config(KVCacheLayout.for_settings(settings), settings, 96 * 2**20)
+    agreement = engine_agreement(kit_side, run)
     assert agreement["agree"], agreement
     assert run.num_blocks == 96 * 2**20 // (2 * 4 * 4 * 32 * 2 * 128)
     assert run.startup_seconds > 0 and any("KV cache size" in line for line in run.log)
@@ -144,7 +147,7 @@ def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
     `stop` times them alone."""
     from kit.studies.vllm_side_by_side import KitTurns
     settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
-    turns = KitTurns(settings)
+    turns = KitTurns(settings, KVCacheLayout.for_settings(settings))
     eager = turns.start("eager")
     turns.turn()
     turns.stop(turns_alone=1)
@@ -181,7 +184,7 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     import torch
 
     from kit.engine.decode import batch_for_run, generate, make_prompts
-    from kit.engine.kv_cache import KVCacheSpec
+    from kit.engine.kv_cache import KVCacheLayout
     from kit.engine.model import build_model
     from kit.cli.new_checkpoint import write_random_checkpoint
     from kit.vllm.greedy import greedy_from_checkpoint
@@ -190,8 +193,7 @@ def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     lengths, steps = [9, 16, 23], 7
     prompts = make_prompts(lengths, arch.vocab_size, 5)
     model = build_model(arch, "float32", "cpu")
-    batch = batch_for_run(KVCacheSpec.for_model(arch, 16, "float32"), lengths, steps, "float32",
-                          "cpu")
+    batch = batch_for_run(KVCacheLayout.for_model(arch, 16, "float32"), lengths, steps, "cpu")
     run = generate(model, batch, prompts, steps)
     vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
     assert vllm.tokens == run.tokens.tolist()
@@ -238,7 +240,7 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     transformers'), float32, prompts of 5, 30 and 41 tokens past the window of 16: the kit's
     24 greedy tokens are vLLM's, every one."""
     from kit.engine.decode import batch_for_run, generate, make_prompts
-    from kit.engine.kv_cache import KVCacheSpec
+    from kit.engine.kv_cache import KVCacheLayout
     from kit.engine.model import build_model
     from kit.vllm.greedy import greedy_from_checkpoint
     folder = todays_checkpoint(family, tmp_path / family, writer)
@@ -246,8 +248,7 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (family != "qwen3")
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
-    batch = batch_for_run(KVCacheSpec.for_model(arch, 16, "float32"), lengths, steps, "float32",
-                          "cpu")
+    batch = batch_for_run(KVCacheLayout.for_model(arch, 16, "float32"), lengths, steps, "cpu")
     run = generate(build_model(arch, "float32", "cpu"), batch, prompts, steps, keep_logits=False)
     vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
     assert vllm.tokens == run.tokens.tolist()
@@ -371,11 +372,11 @@ def grid_lens(arch):
 def kit_side(spec, budget, max_model_len, batched):
     """The kit's numbers in vLLM's terms, or None where the kit refuses."""
     try:
-        s = size_kv_cache(spec, budget, max_model_len, "CPU", batched)
+        s = kv_cache_config(spec, budget, max_model_len, "CPU", batched)
     except ConfigError:
         return None
-    groups = sorted((g.layers, g.window, g.blocks_per_request(max_model_len, spec.block_size,
-                                                              batched)) for g in spec.groups)
+    groups = sorted((g.layers, g.window, g.blocks_per_request(max_model_len, batched))
+                    for g in spec.groups)
     return (s.num_blocks, spec.bytes_per_block, s.num_tokens, s.max_concurrency, s.log_line(),
             groups)
 
@@ -401,7 +402,7 @@ def grid_rows(name, folder):
         lens = grid_lens(arch)
         sizer = VLLMSizer.build(folder, block_size=block_size, max_model_len=lens[-1],
                                 kv_cache_dtype=cache_dtype, dtype="bfloat16")
-        spec = KVCacheSpec.for_model(arch, block_size, "bfloat16", cache_dtype, device="cpu")
+        spec = KVCacheLayout.for_model(arch, block_size, "bfloat16", cache_dtype, device="cpu")
         for n, batched in itertools.product(lens, GRID_BATCHED):
             for budget in GRID_BUDGETS + edge_budgets(spec, n, batched):
                 where = (name, block_size, cache_dtype, n, batched, budget)
@@ -502,8 +503,9 @@ def test_mistral_and_gemma3_concurrency_through_vllms_code(published):
     assert gemma.windowed_blocks[-1] == 6 * (-(-(511 + 2048) // 32) + 1) + 1024
     assert gemma.gain()[0] < 1 < gemma.gain()[-1]
     for curve in (mistral, gemma):  # the kit's arithmetic draws the same two curves
-        spec = KVCacheSpec.for_model(ModelConfig.load(curve.model), 32, "bfloat16")
-        for key, kit_spec in (("windowed", spec), ("full", replace(spec, windows=()))):
-            kit_curve = [size_kv_cache(kit_spec, 8 * 2**30, n, "CPU", 2048).max_concurrency
+        arch = ModelConfig.load(curve.model)
+        for key, kit_arch in (("windowed", arch), ("full", with_layer_pattern(arch, 1))):
+            layout = KVCacheLayout.for_model(kit_arch, 32, "bfloat16")
+            kit_curve = [kv_cache_config(layout, 8 * 2**30, n, "CPU", 2048).max_concurrency
                          for n in lens]
             assert kit_curve == getattr(curve, key), (curve.model, key)

@@ -50,9 +50,11 @@ def _common(p) -> None:
 
 def bench_compile(args) -> int:
     """Chapter 03's table as JSON, with the overhead target and the tiny-MLP probe."""
+    from kit.engine.kv_cache import KVCacheLayout
     from kit.studies.compile_strategies import compare, overhead_probe, overhead_target
     settings = load(args.preset, **parse_params(args.param))
-    out = compare(settings, args.plans or None, rounds=args.rounds, calls=args.calls)
+    out = compare(settings, KVCacheLayout.for_settings(settings), args.plans or None,
+                  rounds=args.rounds, calls=args.calls)
     table = out.as_dict()
     table["target"] = overhead_target(out)
     if not args.no_probe:
@@ -67,12 +69,14 @@ def bench_decode(args) -> int:
     no-cache reference's tolerance."""
     import torch
 
+    from kit.engine.kv_cache import KVCacheLayout
     from kit.show.tables import bandwidth_line, decode_table
     from kit.studies.decode_timing import run_decode, vllm_cpu_reference
     settings = load(args.preset, **parse_params(args.param))
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run_decode(settings, progress=lambda m: print(m, flush=True))
+    report = run_decode(settings, KVCacheLayout.for_settings(settings),
+                        progress=lambda m: print(m, flush=True))
     out = args.out or bench_output("decode", args.preset, ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.summary(), indent=1, default=str))

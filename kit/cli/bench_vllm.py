@@ -58,6 +58,7 @@ def settings_for(preset: str, params: list[str]):
 def bench_vllm(args) -> int:
     """Both sides timed, the table printed, the JSON written; 1 when a side failed (vLLM did
     not start, or the kit's logits left the no-cache reference's tolerance)."""
+    from kit.engine.kv_cache import KVCacheLayout
     from kit.measure.device import describe, versions
     from kit.show.tables import Table
     from kit.studies import vllm_side_by_side
@@ -73,8 +74,8 @@ def bench_vllm(args) -> int:
     load_before = os.getloadavg()
     print(f"kit: {settings.arch.name} {settings.dtype}, batch {settings.batch_size}, "
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
-    kit, runs = vllm_side_by_side.side_by_side(settings, folder,
-                                               progress=lambda m: print(m, flush=True),
+    kit, runs = vllm_side_by_side.side_by_side(settings, KVCacheLayout.for_settings(settings),
+                                               folder, progress=lambda m: print(m, flush=True),
                                                modes=modes)
     started = {m: r for m, r in runs.items() if r.ok}
     comparisons = vllm_side_by_side.decode_comparison(kit, started)

@@ -1,13 +1,15 @@
 """Decode over the paged KV cache (chapters 04, 05): prefill, timed decode steps, and a no-cache
 reference to check them against (timing per strategy: `kit.studies.decode_timing`).
 
-A batch of prompts is prefilled into the cache through chapter 02's `GroupedBlockTables` (vLLM
-0.32's block manager: block 0 its null block, one table per KV cache group); then each decode
+A batch of prompts is prefilled into the cache through the run's KV cache layout
+(`kit.engine.kv_cache.KVCacheLayout`, which every layer is bound to) and chapter 02's block
+manager (`GroupedBlockTables`: vLLM 0.32's, block 0 its null block, one table per KV cache
+group); then each decode
 step feeds one token per sequence, and its attention reads keys and values back through its
 group's table (`kit.engine.layers.attention.paged_decode_attention`). Before each step a
 sliding-window group hands back the blocks that left its window, as vLLM's sliding-window
 manager does, so a model with windows holds fewer blocks than full attention would
-(`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache_for`). The step is built to
+(`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache.allocate`). The step is built to
 compile well: its inputs are the same tensors every step (token ids, positions, block tables,
 the cache), updated in place, with shapes fixed by the batch size, the table's width and the
 positions its attention reads (the batch's longest context, `max_context_len`); there is no
@@ -27,9 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from kit.config import TOLERANCE, Settings
-from kit.engine.group_tables import NULL_BLOCK, GroupedBlockTables
-from kit.engine.kv_cache import KVCacheSpec, allocate_shared
-from kit.engine.kv_groups import KVGroup, model_groups
+from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables
+from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import AttentionMetadata, attention_span
 from kit.engine.model import Decoder
 from kit.errors import ConfigError
@@ -54,16 +55,15 @@ def make_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[tor
     return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
 
 
-def blocks_needed(lengths: list[int], steps: int, block_size: int,
-                  groups: tuple[KVGroup, ...] | None = None) -> int:
+def peak_blocks(layout: KVCacheLayout, lengths: list[int], steps: int) -> int:
     """Blocks a run's cache needs: vLLM's null block, and the most the sequences hold at once
     (with full attention only, at the run's end: each prompt plus the tokens fed back; a
     sliding group hands back what leaves its window, so the run's block tables are replayed
-    to find the peak). `groups` None: one group of full attention."""
-    at_end = sum(math.ceil((n + steps) / block_size) for n in lengths)
-    if groups is None or all(g.window is None for g in groups):
+    to find the peak)."""
+    at_end = sum(layout.blocks_for(n + steps) for n in lengths)
+    if not layout.has_windows:
         return 1 + at_end
-    tables = GroupedBlockTables(1 + at_end * len(groups), block_size, groups)
+    tables = GroupedBlockTables(1 + at_end * len(layout.groups), layout.groups)
     held = []
     for i in prefill_order(lengths):
         tables.allocate_slots(i, lengths[i])
@@ -87,17 +87,15 @@ def table_width(lengths: list[int], steps: int, block_size: int) -> int:
     return math.ceil((max(lengths) + steps) / block_size)
 
 
-def check_capacity(lengths: list[int], steps: int, block_size: int, num_blocks: int,
-                   budget_source: str = "the KV budget",
-                   groups: tuple[KVGroup, ...] | None = None) -> int:
+def check_capacity(layout: KVCacheLayout, lengths: list[int], steps: int, num_blocks: int,
+                   budget_source: str = "the KV budget") -> int:
     """Refuse a run whose tokens do not fit in `num_blocks`, saying how many are missing."""
-    need = blocks_needed(lengths, steps, block_size, groups)
+    need = peak_blocks(layout, lengths, steps)
     if need > num_blocks:
         raise ConfigError(
             f"the run needs {need:,} KV cache blocks ({len(lengths)} sequences of up to "
-            f"{max(lengths) + steps:,} tokens, {block_size} tokens per block, and vLLM's null "
-            f"block) but {budget_source} "
-            f"holds {num_blocks:,}: {need - num_blocks:,} blocks missing. Lower batch_size, "
+            f"{max(lengths) + steps:,} tokens, {layout.block_size} tokens per block, and vLLM's "
+            f"null block) but {budget_source} holds {num_blocks:,}: {need - num_blocks:,} blocks missing. Lower batch_size, "
             "input_len or output_len, or give the cache more memory (kv_cache_memory_bytes, "
             "gpu_memory_utilization, device_memory)")
     return need
@@ -112,19 +110,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class PagedBatch:
     """The decode state of one batch: its blocks, and the tensors the step reads each time.
 
-    `input_ids`, `positions` and `block_tables` ([groups, seqs, width]: a table per KV cache
-    group) live on the device and are updated in place (as vLLM's persistent input buffers
-    are), so a compiled graph or a CUDA graph captured on them stays valid for every step, and
-    for every run after `start` resets them. `held`: the blocks the sequences hold after the
+    The run's KV cache `layout` gives the groups, the block size and each layer's place in
+    `kv_cache` (the model is bound to it when a run starts). `input_ids`, `positions` and
+    `block_tables` ([groups, seqs, width]: a table per KV cache group) live on the device and
+    are updated in place (as vLLM's persistent input buffers are), so a compiled graph or a
+    CUDA graph captured on them stays valid for every step, and for every run after `start`
+    resets them. `held`: the blocks the sequences hold after the
     prefill and after each step's bookkeeping.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, lengths: list[int], width: int,
-                 max_context_len: int | None = None, groups: tuple[KVGroup, ...] | None = None):
-        self.kv_cache, self.lengths = kv_cache, list(lengths)
-        self.block_size = kv_cache.shape[3]
-        # one group of every layer unless told: right for a cache with a slice per layer
-        self.groups = groups or (KVGroup(tuple(range(kv_cache.shape[0]))),)
+    def __init__(self, layout: KVCacheLayout, kv_cache: torch.Tensor, lengths: list[int],
+                 width: int, max_context_len: int | None = None):
+        if tuple(kv_cache.shape) != layout.tensor_shape(kv_cache.shape[2]):
+            raise ValueError(f"a cache of shape {tuple(kv_cache.shape)} is not the layout's "
+                             f"{layout.tensor_shape(kv_cache.shape[2])}")
+        self.layout, self.kv_cache, self.lengths = layout, kv_cache, list(lengths)
+        self.block_size, self.groups = layout.block_size, layout.groups
         # positions each step's attention reads: the table's whole width unless told fewer
         self.max_context_len = max_context_len or width * self.block_size
         device = kv_cache.device
@@ -142,8 +143,8 @@ class PagedBatch:
         """A fresh run: every block free, the prompts prefilled into the cache (through
         `prefill`, a runner of `prefill_function(model)`; eagerly by default), each one's first
         new token (greedy) ready as the next input. Returns the prefill's logits."""
-        self.check_groups(model)
-        self.allocator = GroupedBlockTables(self.kv_cache.shape[2], self.block_size, self.groups)
+        model.bind_kv_cache(self.layout)
+        self.allocator = GroupedBlockTables(self.kv_cache.shape[2], self.groups)
         self.held = []
         self.block_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
         self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
@@ -170,17 +171,6 @@ class PagedBatch:
             for row, i in enumerate(seqs):
                 logits[i] = last[row]
         return torch.stack(logits)
-
-    def check_groups(self, model: Decoder) -> None:
-        """Take the model's KV cache groups where the batch has one table (a model with one
-        group: its window, if any, then hands back blocks); refuse tables that do not match
-        them (a cache in vLLM's layout would mix the groups' pages)."""
-        groups = model_groups(model.arch)
-        if len(groups) == len(self.groups) == 1:
-            self.groups = groups
-        elif groups != self.groups:
-            raise ValueError(f"the batch's KV cache groups {self.groups} are not the model's "
-                             f"{groups}: build it with new_batch(..., groups=model_groups(arch))")
 
     def copy_tables(self, seq: int) -> None:
         for g, table in enumerate(self.allocator.tables[seq]):
@@ -281,24 +271,23 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
                       prefill_seconds, clock.seconds())
 
 
-def new_batch(kv_cache: torch.Tensor, lengths: list[int], steps: int,
-              groups: tuple[KVGroup, ...] | None = None) -> PagedBatch:
-    """A batch whose block tables (one per KV cache group in `groups`, the model's
-    `model_groups`) are wide enough for `steps` decode steps, its attention reading as many
-    positions as its longest context will hold (`attention_span`), not the table's whole
-    width: with 128-token blocks, 159 tokens would otherwise read 256."""
-    width = table_width(lengths, steps, kv_cache.shape[3])
-    span = attention_span(max(lengths) + steps, width * kv_cache.shape[3])
-    return PagedBatch(kv_cache, lengths, width, span, groups)
+def new_batch(layout: KVCacheLayout, kv_cache: torch.Tensor, lengths: list[int],
+              steps: int) -> PagedBatch:
+    """A batch on `kv_cache` (allocated for `layout`) whose block tables, one per KV cache
+    group, are wide enough for `steps` decode steps, its attention reading as many positions
+    as its longest context will hold (`attention_span`), not the table's whole width: with
+    128-token blocks, 159 tokens would otherwise read 256."""
+    width = table_width(lengths, steps, layout.block_size)
+    span = attention_span(max(lengths) + steps, width * layout.block_size)
+    return PagedBatch(layout, kv_cache, lengths, width, span)
 
 
-def batch_for_run(spec: KVCacheSpec, lengths: list[int], steps: int, model_dtype: str,
-                  device: str, spare_blocks: int = 0) -> PagedBatch:
-    """`new_batch` on a fresh cache in vLLM's layout (`allocate_shared`) holding the blocks
-    the run needs (and `spare_blocks` more)."""
-    num_blocks = blocks_needed(lengths, steps, spec.block_size, spec.groups) + spare_blocks
-    cache = allocate_shared(spec, num_blocks, model_dtype, device)
-    return new_batch(cache, lengths, steps, spec.groups)
+def batch_for_run(layout: KVCacheLayout, lengths: list[int], steps: int, device: str,
+                  spare_blocks: int = 0) -> PagedBatch:
+    """`new_batch` on a fresh cache (`kv_cache.allocate`) holding the blocks the run needs
+    (`peak_blocks`, and `spare_blocks` more)."""
+    num_blocks = peak_blocks(layout, lengths, steps) + spare_blocks
+    return new_batch(layout, allocate(layout, num_blocks, device), lengths, steps)
 
 
 @torch.no_grad()
@@ -354,25 +343,11 @@ def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str
                        same / ((steps + 1) * len(prompts)))
 
 
-def decode_spec(settings: Settings) -> KVCacheSpec:
-    """The decode engine's cache: the settings' block_size on every device."""
-    return KVCacheSpec.for_model(settings.arch, settings.block_size, settings.dtype,
-                                 settings.kv_cache_dtype, settings.tensor_parallel_size)
-
-
-def kv_cache_for(settings: Settings, num_blocks: int) -> torch.Tensor:
-    """The cache tensor in vLLM's layout ([group size, 2, num_blocks, block_size, kv_heads,
-    head_dim], `allocate_shared`): a block id costs one page in each layer of the group that
-    owns it, `KVCacheSpec.bytes_per_block`."""
-    return allocate_shared(decode_spec(settings), num_blocks, settings.dtype, settings.device)
-
-
-def decode_inputs(settings: Settings, kv_cache: torch.Tensor, mixed: bool = False,
-                  seed_offset: int = 0) -> tuple[PagedBatch, list[torch.Tensor]]:
-    """The settings' batch on `kv_cache`: `batch_size` prompts of `input_len` tokens (or, with
+def decode_inputs(settings: Settings, layout: KVCacheLayout, kv_cache: torch.Tensor,
+                  mixed: bool = False, seed_offset: int = 0) -> tuple[PagedBatch, list[torch.Tensor]]:
+    """The settings' batch on `kv_cache` (the run's `layout`): `batch_size` prompts of `input_len` tokens (or, with
     `mixed`, of lengths between about half of it and all of it) drawn from the seed, and a
     batch with room for `output_len - 1` decode steps."""
     lengths = prompt_lengths(settings.batch_size, settings.input_len, mixed)
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed + seed_offset)
-    return (new_batch(kv_cache, lengths, settings.output_len - 1, model_groups(settings.arch)),
-            prompts)
+    return new_batch(layout, kv_cache, lengths, settings.output_len - 1), prompts

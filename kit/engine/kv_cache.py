@@ -1,22 +1,22 @@
-"""Building the KV cache (chapter 02): bytes per block, blocks from a budget, real allocation.
+"""The KV cache of a run (chapters 02-05), shaped as vLLM 0.32's: a spec per layer
+(`kit.engine.kv_specs`), the groups they make (`kit.engine.kv_groups`), one block size, and,
+once a budget is known, one `KVCacheConfig`: num_blocks, the tensors and which layers share
+each, tokens and max concurrency, vLLM's start-up line. Built once per run and handed down: the
+decode engine's block tables and cache, each attention layer's group and slice, the bytes a
+step moves and chapter 05's comparison with vLLM all read it.
 
 The arithmetic is vLLM's, written once here and shown in the notebooks:
 
-    page            = 2 (K and V) × num_kv_heads per rank × head_dim × cache dtype bytes × block_size
+    page            = one layer's block (`KVCacheSpec.page_size_bytes`; for attention
+                      2 × num_kv_heads per rank × head_dim × cache dtype bytes × block_size)
     bytes per block = page × layers in the widest KV cache group (all layers when they all
                       attend alike)
     num_blocks      = floor(KV budget / bytes per block)
     max concurrency = num_blocks / Σ over groups of the blocks one request reserves
-                      (ceil(max_model_len / block_size) for full attention)
-
-Layers with a sliding window make their own groups and reserve only what their window needs
-(`kit.engine.kv_groups`).
 
 With tensor parallelism each rank holds max(1, num_kv_heads // tp) heads: heads are replicated
-when there are fewer KV heads than ranks, as vLLM does. The budget the cache gets is vLLM's too:
-capacity × gpu_memory_utilization (`memory_budget`), less what the profiling run measured
-(chapter 01), or `kv_cache_memory_bytes` when given (`kv_budget`). Only the allocation needs
-torch.
+when there are fewer KV heads than ranks, as vLLM does. The budget is `kit.engine.budget`'s.
+Only the allocation needs torch.
 """
 from __future__ import annotations
 
@@ -24,25 +24,17 @@ import math
 from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
-from kit.engine.kv_groups import KVGroup, group_size, kv_groups, layer_windows
+from kit.engine.kv_groups import KVCacheGroup, kv_cache_groups
+from kit.engine.kv_specs import KVCacheSpec, attention_specs
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, Ratio
 
-
-def memory_budget(capacity_bytes: int, gpu_memory_utilization: float) -> int:
-    """The memory the engine may use: capacity × gpu_memory_utilization (vLLM's requested
-    memory), which weights, activations and the KV cache share."""
-    return int(capacity_bytes * gpu_memory_utilization)
+CPU_KERNEL_BLOCK = 32  # vLLM's CPU attention takes blocks in multiples of this
 
 
 def device_label(device: str) -> str:
     """How vLLM names the device in its log lines ("GPU" for CUDA, else "CPU", ...)."""
     return "GPU" if device == "cuda" else device.upper()
-
-
-def cache_dtype_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
-    check_kv_cache_dtype(kv_cache_dtype)
-    return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
 
 
 def in_flight_tokens(settings) -> int:
@@ -52,15 +44,12 @@ def in_flight_tokens(settings) -> int:
     return settings.max_num_batched_tokens * (2 if settings.device == "cuda" else 1)
 
 
-CPU_KERNEL_BLOCK = 32  # vLLM's CPU attention takes blocks in multiples of this
-
-
-def engine_block_size(block_size: int, windows: tuple, device: str | None) -> int:
-    """The block vLLM sizes the cache with: `block_size`, except on the CPU for a model with
-    sliding windows, whose window layers take the CPU kernel's blocks (multiples of 32:
-    `_largest_kernel_block_within` in vLLM's `Attention.get_kv_cache_spec`), and then the
+def cache_block_size(block_size: int, has_windows: bool, device: str | None) -> int:
+    """The block vLLM sizes and runs the cache with: `block_size`, except on the CPU for a
+    model with sliding windows, whose window layers take the CPU kernel's blocks (multiples of
+    32: `_largest_kernel_block_within` in vLLM's `Attention.get_kv_cache_spec`), and then the
     whole cache is sized at that block (block_size 16 sizes as 32)."""
-    if device == "cpu" and windows and block_size % CPU_KERNEL_BLOCK:
+    if device == "cpu" and has_windows and block_size % CPU_KERNEL_BLOCK:
         return -(-block_size // CPU_KERNEL_BLOCK) * CPU_KERNEL_BLOCK
     return block_size
 
@@ -70,74 +59,88 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
-    """The shape of one rank's paged KV cache."""
+class KVCacheLayout:
+    """One rank's KV cache before its size is known: a spec per layer, grouped as vLLM groups
+    them, at one block size, in one cache dtype."""
 
-    num_layers: int
-    num_kv_heads: int  # per rank
-    head_dim: int
-    block_size: int
-    dtype_bytes: int
+    groups: tuple[KVCacheGroup, ...]
+    block_size: int            # what the cache is sized and run at
+    requested_block_size: int  # the settings' block_size
+    cache_dtype: str           # the elements' dtype: the model's for kv_cache_dtype "auto"
     kv_cache_dtype: str = "auto"
-    windows: tuple = ()  # each layer's sliding window, None for full attention; (): all full
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
-                  tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheSpec":
-        """`device` "cpu": blocks as vLLM's CPU attention takes them (`engine_block_size`)."""
+                  tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheLayout":
+        """`arch`'s layers at `block_size`; `device` "cpu": at the blocks vLLM's CPU attention
+        takes (`cache_block_size`)."""
         check_tensor_parallel(arch, tensor_parallel_size)
-        windows = layer_windows(arch)
-        return cls(num_layers=arch.num_hidden_layers,
-                   num_kv_heads=kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
-                   head_dim=arch.head_dim, block_size=engine_block_size(block_size, windows, device),
-                   dtype_bytes=cache_dtype_bytes(kv_cache_dtype, model_dtype),
-                   kv_cache_dtype=kv_cache_dtype, windows=windows)
+        check_kv_cache_dtype(kv_cache_dtype)
+        windows = [arch.window(i) for i in range(arch.num_hidden_layers)]
+        size = cache_block_size(block_size, any(windows), device)
+        cache_dtype = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        specs = attention_specs(windows, size,
+                                kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
+                                arch.head_dim, KV_CACHE_DTYPES[kv_cache_dtype]
+                                or DTYPE_BYTES[model_dtype])
+        return cls(kv_cache_groups(specs), size, block_size, cache_dtype, kv_cache_dtype)
 
     @classmethod
-    def from_settings(cls, settings) -> "KVCacheSpec":
+    def for_settings(cls, settings) -> "KVCacheLayout":
+        """The run's layout: its model, block size, cache dtype, TP and device."""
         return cls.for_model(settings.arch, settings.block_size, settings.dtype,
                              settings.kv_cache_dtype, settings.tensor_parallel_size,
                              settings.device)
 
-    def formula(self) -> str:
-        """The bytes-per-block arithmetic written out with this spec's numbers."""
-        layers = f"{self.group_size} layers"
-        if len(self.groups) > 1:
-            layers += f" (the widest of {len(self.groups)} KV cache groups)"
-        return (f"2 × {layers} × {self.num_kv_heads} KV heads × {self.head_dim} "
-                f"head_dim × {self.dtype_bytes} B × {self.block_size} tokens = "
-                f"{self.bytes_per_block:,} B per block")
+    @property
+    def specs(self) -> tuple[KVCacheSpec, ...]:
+        """Each layer's spec, by layer index."""
+        by_layer = {i: g.spec for g in self.groups for i in g.layers}
+        return tuple(by_layer[i] for i in range(len(by_layer)))
 
     @property
-    def bytes_per_token(self) -> int:
-        """One token's keys and values in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
 
     @property
-    def page_bytes(self) -> int:
-        """One layer's block: vLLM's `page_size_bytes`."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * self.block_size
-
-    @property
-    def groups(self) -> tuple[KVGroup, ...]:
-        return kv_groups(self.windows or (None,) * self.num_layers)
+    def has_windows(self) -> bool:
+        return any(g.window is not None for g in self.groups)
 
     @property
     def group_size(self) -> int:
-        return group_size(self.groups)
+        """Layers in the widest group: the number of cache tensors, and pages per block id."""
+        return max(len(g.layers) for g in self.groups)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One layer's block; every group's is the same (vLLM unifies them)."""
+        pages = {g.spec.page_size_bytes for g in self.groups}
+        if len(pages) != 1:
+            raise ValueError(f"the groups' pages differ ({sorted(pages)}): not one pool")
+        return pages.pop()
 
     @property
     def bytes_per_block(self) -> int:
         """What one block id costs: a page in each layer of the widest group."""
-        return self.group_size * self.page_bytes
+        return self.group_size * self.page_size_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token's keys and values in every layer."""
+        return sum(s.bytes_per_token for s in self.specs)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(`layer`'s group, its place in the group): the block table it reads, and the
+        tensor that holds its pages (layer j of every group shares tensor j)."""
+        group = next(i for i, g in enumerate(self.groups) if layer in g.layers)
+        return group, self.groups[group].layers.index(layer)
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
     def blocks_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
         """Block ids one request of max_model_len tokens reserves, over all groups."""
-        return sum(g.blocks_per_request(max_model_len, self.block_size, in_flight_tokens)
-                   for g in self.groups)
+        return sum(g.blocks_per_request(max_model_len, in_flight_tokens) for g in self.groups)
 
     def request_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
         """The bytes vLLM checks one request against: the block ids it reserves over all
@@ -145,12 +148,38 @@ class KVCacheSpec:
         counts as full width (`_max_memory_usage_bytes_from_groups`)."""
         return self.bytes_per_block * self.blocks_per_request(max_model_len, in_flight_tokens)
 
+    def block_size_note(self) -> str | None:
+        """Why the cache's block differs from the settings' block_size; None where it does not."""
+        if self.block_size == self.requested_block_size:
+            return None
+        return (f"block_size {self.requested_block_size} runs as {self.block_size}: vLLM's CPU "
+                f"attention gives sliding-window layers blocks in multiples of "
+                f"{CPU_KERNEL_BLOCK}, and sizes the whole cache at that block")
+
+    def formula(self) -> str:
+        """The bytes-per-block arithmetic written out with this layout's numbers."""
+        layers = f"{self.group_size} layers"
+        if len(self.groups) > 1:
+            layers += f" (the widest of {len(self.groups)} KV cache groups)"
+        spec = self.groups[0].spec
+        return (f"2 × {layers} × {spec.num_kv_heads} KV heads × {spec.head_size} "
+                f"head_dim × {spec.dtype_bytes} B × {self.block_size} tokens = "
+                f"{self.bytes_per_block:,} B per block")
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j."""
+        spec = self.groups[0].spec
+        return (self.group_size, 2, num_blocks, self.block_size, spec.num_kv_heads,
+                spec.head_size)
+
 
 @dataclass(frozen=True)
-class KVCacheSizing:
-    """How many blocks a budget buys, and what that means in tokens and requests."""
+class KVCacheConfig:
+    """The run's KV cache at a budget (vLLM's `KVCacheConfig`): how many blocks it buys, and
+    what that means in tokens and requests."""
 
-    spec: KVCacheSpec
+    layout: KVCacheLayout
     budget_bytes: int
     max_model_len: int
     device_label: str = "GPU"  # as vLLM's log line names the device (`device_label`)
@@ -158,15 +187,22 @@ class KVCacheSizing:
 
     @property
     def num_blocks(self) -> int:
-        return self.budget_bytes // self.spec.bytes_per_block
+        return self.budget_bytes // self.layout.bytes_per_block
 
     @property
     def cache_bytes(self) -> int:
-        return self.num_blocks * self.spec.bytes_per_block
+        return self.num_blocks * self.layout.bytes_per_block
+
+    @property
+    def tensors(self) -> list[tuple[int, tuple[int, ...]]]:
+        """vLLM's `KVCacheTensor`s: (bytes, the layers sharing it), one per place in a group."""
+        size = self.num_blocks * self.layout.page_size_bytes
+        return [(size, tuple(g.layers[j] for g in self.layout.groups if j < len(g.layers)))
+                for j in range(self.layout.group_size)]
 
     @property
     def blocks_per_request(self) -> int:
-        return self.spec.blocks_per_request(self.max_model_len, self.in_flight_tokens)
+        return self.layout.blocks_per_request(self.max_model_len, self.in_flight_tokens)
 
     @property
     def max_concurrency(self) -> float:
@@ -174,7 +210,8 @@ class KVCacheSizing:
 
     def concurrency_at(self, max_model_len: int) -> float:
         """Max concurrency these blocks would give requests of another length."""
-        return self.num_blocks / self.spec.blocks_per_request(max_model_len, self.in_flight_tokens)
+        return self.num_blocks / self.layout.blocks_per_request(max_model_len,
+                                                                self.in_flight_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -188,164 +225,88 @@ class KVCacheSizing:
                 f"{self.max_concurrency:.2f}x")
 
     def summary(self) -> dict:
-        return {**Bytes.of({"bytes_per_token": self.spec.bytes_per_token,
-                            "bytes_per_block": self.spec.bytes_per_block,
+        return {**Bytes.of({"bytes_per_token": self.layout.bytes_per_token,
+                            "bytes_per_block": self.layout.bytes_per_block,
                             "budget_bytes": self.budget_bytes}),
-                **Count.of({"kv_cache_groups": len(self.spec.groups),
+                **Count.of({"kv_cache_groups": len(self.layout.groups),
                             "blocks_per_request": self.blocks_per_request,
                             "num_blocks": self.num_blocks}),
                 "cache_bytes": Bytes(self.cache_bytes), "num_tokens": Count(self.num_tokens),
                 "max_concurrency": Ratio(self.max_concurrency), "log_line": self.log_line()}
 
 
-def size_kv_cache(spec: KVCacheSpec, budget_bytes: int, max_model_len: int,
-                  device_label: str = "GPU", in_flight_tokens: int = 0) -> KVCacheSizing:
+def kv_cache_config(layout: KVCacheLayout, budget_bytes: int, max_model_len: int,
+                    device_label: str = "GPU", in_flight_tokens: int = 0) -> KVCacheConfig:
     """Blocks for `budget_bytes`; refuses, as vLLM does, a cache that cannot hold one block or
     one request of max_model_len tokens, naming the largest max_model_len that would fit.
     vLLM keeps one block back (its block pool's null block) and checks each layer's
     reservation against the rest (vllm/v1/core/kv_cache_utils.py,
     `check_enough_kv_cache_memory`). `in_flight_tokens` (max_num_batched_tokens ×
     `concurrent_batches`) matters only to sliding windows."""
-    if spec.windows and in_flight_tokens < 1:
-        raise ValueError("a cache with sliding windows needs in_flight_tokens")
-    sizing = KVCacheSizing(spec, budget_bytes, max_model_len, device_label, in_flight_tokens)
-    usable = budget_bytes - spec.bytes_per_block
+    config = KVCacheConfig(layout, budget_bytes, max_model_len, device_label, in_flight_tokens)
+    usable = budget_bytes - layout.bytes_per_block
     if usable <= 0:
         raise ConfigError(
             f"the KV cache budget of {budget_bytes:,} bytes does not hold one block of "
-            f"{spec.bytes_per_block:,} bytes beside vLLM's null block; raise "
+            f"{layout.bytes_per_block:,} bytes beside vLLM's null block; raise "
             "gpu_memory_utilization, device_memory or kv_cache_memory_bytes, or lower block_size")
-    if spec.request_bytes(max_model_len, in_flight_tokens) > usable:
-        fits = largest_max_model_len(spec, usable, max_model_len, in_flight_tokens)
+    if layout.request_bytes(max_model_len, in_flight_tokens) > usable:
+        fits = largest_max_model_len(layout, usable, max_model_len, in_flight_tokens)
         raise ConfigError(
-            f"max_model_len={max_model_len:,} needs {sizing.blocks_per_request:,} blocks plus "
-            f"vLLM's null block but the KV cache holds {sizing.num_blocks:,} ({fits:,} usable "
+            f"max_model_len={max_model_len:,} needs {config.blocks_per_request:,} blocks plus "
+            f"vLLM's null block but the KV cache holds {config.num_blocks:,} ({fits:,} usable "
             f"tokens); vLLM refuses to start here. Lower max_model_len to {fits:,} or less, or "
             "give the cache more memory")
-    return sizing
+    return config
 
 
-def size_for_settings(settings, budget_bytes: int) -> KVCacheSizing:
-    """`size_kv_cache` for a run's settings: its model, block size, cache dtype, TP,
-    max_model_len, batched tokens and device."""
-    return size_kv_cache(KVCacheSpec.from_settings(settings), budget_bytes,
-                         settings.max_model_len, device_label(settings.device),
-                         in_flight_tokens(settings))
+def config_for_settings(layout: KVCacheLayout, settings, budget_bytes: int) -> KVCacheConfig:
+    """`kv_cache_config` at the settings' max_model_len, device and batched tokens."""
+    return kv_cache_config(layout, budget_bytes, settings.max_model_len,
+                           device_label(settings.device), in_flight_tokens(settings))
 
 
-def largest_max_model_len(spec: KVCacheSpec, usable_bytes: int, upper: int,
+def largest_max_model_len(layout: KVCacheLayout, usable_bytes: int, upper: int,
                           in_flight_tokens: int) -> int:
     """The longest request `usable_bytes` holds, by binary search as vLLM's
     `estimate_max_model_len` does (0 when not even one token fits)."""
     low, high = 0, upper
     while low < high:
         mid = (low + high + 1) // 2
-        if spec.request_bytes(mid, in_flight_tokens) <= usable_bytes:
+        if layout.request_bytes(mid, in_flight_tokens) <= usable_bytes:
             low = mid
         else:
             high = mid - 1
     return low
 
 
-def kv_budget(settings, profile: str, profile_kv_cache_bytes: int | None) -> tuple[int, str]:
-    """The KV budget and where it came from: `kv_cache_memory_bytes` when given (it overrides
-    any profile, as vLLM's option of that name does), else what the memory profile named
-    `profile` ("eager" or "compiled", chapter 01) left for the cache."""
-    if settings.kv_cache_memory_bytes is not None:
-        return settings.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-    if profile_kv_cache_bytes is None:
-        raise ConfigError("no KV budget: give kv_cache_memory_bytes or a memory profile")
-    return profile_kv_cache_bytes, f"the {profile} memory profile"
-
-
-def torch_cache_dtype(spec: KVCacheSpec, model_dtype: str):
+def torch_cache_dtype(layout: KVCacheLayout):
     import torch
     names = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
              "fp8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "float32": torch.float32}
-    return names[model_dtype if spec.kv_cache_dtype == "auto" else spec.kv_cache_dtype]
+    return names[layout.cache_dtype]
 
 
-def allocate(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
-    """One preallocated tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim];
-    layer i's cache is the view `cache[i]` (K at [0], V at [1])."""
+def allocate(layout: KVCacheLayout, num_blocks: int, device: str):
+    """The cache as vLLM allocates it: one [2, num_blocks, ...] tensor per place in the widest
+    KV cache group (vLLM's `KVCacheTensor`s), each shared by one layer of every group
+    (`KVCacheLayout.tensor_shape`). With one group, that is one tensor per layer."""
     import torch
-    return torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
-                       spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
+    return torch.zeros(layout.tensor_shape(num_blocks), dtype=torch_cache_dtype(layout),
+                       device=device)
 
 
-def allocate_shared(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
-    """The cache as vLLM allocates it: one [2, num_blocks, ...] slice per layer of the widest KV
-    cache group (vLLM's `KVCacheTensor`s), each shared by one layer of every group. With one
-    group (every layer alike) that is one slice per layer, as `allocate` makes."""
-    import torch
-    return torch.zeros(spec.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads,
-                       spec.head_dim, dtype=torch_cache_dtype(spec, model_dtype), device=device)
+def layer_views(cache, layout: KVCacheLayout) -> list:
+    """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one
+    tensor: the slice its place in its group names (layer j of every group shares slice j)."""
+    return [cache[layout.place(i)[1]] for i in range(layout.num_layers)]
 
 
-def layer_views(cache, spec: KVCacheSpec | None = None) -> list:
-    """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one tensor:
-    its own slice, or for a cache from `allocate_shared`, the slice its place in its group
-    names (layer j of every group shares slice j)."""
-    slices = cache.unbind(0)
-    if spec is None:
-        return list(slices)
-    place = {layer: j for g in spec.groups for j, layer in enumerate(g.layers)}
-    return [slices[place[i]] for i in range(spec.num_layers)]
-
-
-def allocate_measured(spec: KVCacheSpec, num_blocks: int, model_dtype: str, device: str):
-    """Allocate the cache as vLLM does (`allocate_shared`) and measure what it cost: (cache,
-    bytes the allocation added)."""
+def allocate_measured(layout: KVCacheLayout, num_blocks: int, device: str):
+    """Allocate the cache (`allocate`) and measure what it cost: (cache, bytes the allocation
+    added)."""
     from kit.measure.memory import measure_allocations
-    measured = measure_allocations(lambda: allocate_shared(spec, num_blocks, model_dtype, device),
-                                   device, timeline=False)
+    measured = measure_allocations(lambda: allocate(layout, num_blocks, device), device,
+                                   timeline=False)
     return measured.result, measured.left_bytes
-
-
-def estimate_activation_bytes(arch, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
-    """A rough eager peak for models the kit has not profiled: one layer's largest live set
-    (residual and normed input, the MLP's gate, up and activated tensors) for every token, plus
-    the logits of one token per sequence (model dtype and an fp32 copy for sampling)."""
-    per_token = (2 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
-    return num_tokens * per_token + num_seqs * arch.vocab_size * (dtype_bytes + 4)
-
-
-@dataclass(frozen=True)
-class BudgetSplit:
-    """How one rank's memory splits: weights, activations, KV cache, and what is held back."""
-
-    capacity_bytes: int
-    gpu_memory_utilization: float
-    weights_bytes: int
-    activation_bytes: int
-    sizing: KVCacheSizing
-
-    @property
-    def budget_bytes(self) -> int:
-        return memory_budget(self.capacity_bytes, self.gpu_memory_utilization)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.capacity_bytes - self.budget_bytes
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.budget_bytes - self.weights_bytes - self.activation_bytes
-
-
-def split_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utilization: float,
-                 activation_bytes: int, block_size: int, kv_cache_dtype: str,
-                 max_model_len: int, tensor_parallel_size: int = 1,
-                 device_label: str = "GPU", in_flight_tokens: int = 2048,
-                 device: str | None = None) -> BudgetSplit:
-    """The calculator's arithmetic for one rank. Weights are split evenly over the ranks (vLLM
-    shards the linear layers and the embedding; the small norms are replicated).
-    `in_flight_tokens` (see `in_flight_tokens`) sizes sliding windows' reservations."""
-    weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
-    budget = memory_budget(capacity_bytes, gpu_memory_utilization)
-    spec = KVCacheSpec.for_model(arch, block_size, model_dtype, kv_cache_dtype,
-                                 tensor_parallel_size, device)
-    kv = max(0, budget - weights - activation_bytes)
-    return BudgetSplit(capacity_bytes, gpu_memory_utilization, weights, activation_bytes,
-                       KVCacheSizing(spec, kv, max_model_len, device_label, in_flight_tokens))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings
-from kit.engine.kv_cache import memory_budget
+from kit.engine.budget import MemoryBudget, weights_budget
 from kit.engine.model import Decoder, build_model, dummy_batch, weights_bytes
 from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
@@ -50,8 +50,14 @@ class MemoryProfile:
     timeline_ops: list[str] = field(repr=False, default_factory=list)
 
     @property
+    def budget(self) -> MemoryBudget:
+        """This profile's split of the budget (`kit.engine.budget`)."""
+        return MemoryBudget(self.capacity_bytes, self.gpu_memory_utilization, self.weights_bytes,
+                            self.peak_activation_bytes, self.non_torch_bytes or 0)
+
+    @property
     def budget_bytes(self) -> int:
-        return memory_budget(self.capacity_bytes, self.gpu_memory_utilization)
+        return self.budget.budget_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -59,11 +65,11 @@ class MemoryProfile:
 
     @property
     def non_kv_cache_bytes(self) -> int:
-        return self.weights_bytes + self.peak_activation_bytes + (self.non_torch_bytes or 0)
+        return self.budget.non_kv_cache_bytes
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.budget_bytes - self.non_kv_cache_bytes
+        return self.budget.kv_cache_bytes
 
     def summary(self) -> dict:
         kinds = {"name": str, "device": str, "num_tokens": Count, "num_seqs": Count,
@@ -77,9 +83,10 @@ class MemoryProfile:
 
 def check_fits(settings: Settings) -> None:
     """Refuse before loading anything when the weights alone exceed the budget."""
-    need = settings.arch.num_parameters() * settings.dtype_bytes
-    budget = memory_budget(capacity_bytes(settings.device, settings.device_memory),
+    split = weights_budget(settings.arch, settings.dtype,
+                           capacity_bytes(settings.device, settings.device_memory),
                            settings.gpu_memory_utilization)
+    need, budget = split.weights_bytes, split.budget_bytes
     if need >= budget:
         raise ConfigError(
             f"{settings.arch.name} needs {need / GiB:.2f} GiB of weights in {settings.dtype}, "

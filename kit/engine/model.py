@@ -5,7 +5,8 @@
 `forward` runs prefill over a batch of equal-length sequences (as vLLM's profiling run does)
 and returns hidden states; `compute_logits` is applied to one position per sequence, as an
 engine's sampler does. `decode` runs one token per sequence over the paged KV cache (chapter
-04). `Decoder.multiply_in` sets the dtype compiled code multiplies the weights in
+04), its layers bound to the run's KV cache layout (`Decoder.bind_kv_cache`).
+`Decoder.multiply_in` sets the dtype compiled code multiplies the weights in
 (`kit.engine.layers.linear`). Per layer, the attention's window and RoPE base follow the
 config (`ModelConfig.window`, `layer_rope_theta`); Gemma 2 caps the final logits.
 """
@@ -127,6 +128,16 @@ class Decoder(nn.Module):
         logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
+
+    def bind_kv_cache(self, layout) -> None:
+        """Give every attention layer its KV cache group and cache slice from the run's layout
+        (`kit.engine.kv_cache.KVCacheLayout`), as vLLM's runner binds each layer to its cache;
+        the layout must be this model's."""
+        if layout.num_layers != len(self.layers):
+            raise ValueError(f"a layout of {layout.num_layers} layers for a model of "
+                             f"{len(self.layers)}")
+        for layer in self.layers:
+            layer.self_attn.bind_kv_cache(layout)
 
     def multiply_in(self, dtype: torch.dtype | None) -> None:
         """Compiled code runs every product with the weights in `dtype` (None: the weights'

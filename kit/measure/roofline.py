@@ -67,24 +67,24 @@ def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int) ->
     return (params + num_seqs * arch.hidden_size) * dtype_bytes
 
 
-def decode_step_cost(arch: ModelConfig, dtype_bytes: int, kv_bytes_per_token: int,
-                     context_lens: list[int], windows: tuple = ()) -> StepCost:
-    """The cost of one step in which sequence i attends to `context_lens[i]` tokens, its new
-    token included (so it reads context_lens[i] - 1 cached tokens and writes one), in every
-    layer but those with a sliding window W (`windows[layer]`, None: full), which read at most
-    the last W - 1. `kv_bytes_per_token`: one token in every layer."""
-    layers, num_seqs = arch.num_hidden_layers, len(context_lens)
-    windows = windows or (None,) * layers
-    attended = sum(min(n, w or n) for w in windows for n in context_lens)  # over layers
-    per_layer_token = kv_bytes_per_token // layers
+def decode_step_cost(arch: ModelConfig, dtype_bytes: int, layer_specs,
+                     context_lens: list[int]) -> StepCost:
+    """The cost of one step in which sequence i's context is `context_lens[i]` tokens, its new
+    token included. Each layer's KV cache spec (`layer_specs`, one per layer:
+    `kit.engine.kv_specs`) says how many of them its attention reads (`tokens_read`: all for
+    full attention, at most the last W for a window W, the new token among them, which is
+    written rather than read) and what it stores per token (`bytes_per_token`)."""
+    num_seqs = len(context_lens)
+    attended = [sum(spec.tokens_read(n) for n in context_lens) for spec in layer_specs]
     return StepCost(
         num_seqs=num_seqs,
         weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs),
-        kv_read_bytes=(attended - num_seqs * layers) * per_layer_token,
-        kv_write_bytes=num_seqs * kv_bytes_per_token,
+        kv_read_bytes=sum((a - num_seqs) * spec.bytes_per_token
+                          for a, spec in zip(attended, layer_specs)),
+        kv_write_bytes=num_seqs * sum(spec.bytes_per_token for spec in layer_specs),
         logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
         flops=2 * num_seqs * arch.linear_weights()
-        + 4 * arch.num_attention_heads * arch.head_dim * attended)
+        + 4 * arch.num_attention_heads * arch.head_dim * sum(attended))
 
 
 def formula(cost: StepCost, bandwidth: float) -> str:

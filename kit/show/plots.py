@@ -179,15 +179,17 @@ def batch_size_trace(sizes: list[int]) -> go.Figure:
     return fig
 
 
-def kv_calculator(split, title: str = "") -> go.Figure:
-    """Left: how the device's memory splits. Right: requests of each length that fit."""
+def kv_calculator(calc, title: str = "") -> go.Figure:
+    """Left: how the device's memory splits. Right: requests of each length that fit
+    (`kv_cache_sizing.Calculation`)."""
     from plotly.subplots import make_subplots
-    s = split.sizing
+    s, budget = calc.config, calc.budget
     fig = make_subplots(rows=1, cols=2, column_widths=[0.35, 0.65], subplot_titles=(
         "memory of one device", "requests that fit (max concurrency)"))
-    parts = {"weights": split.weights_bytes, "activations": split.activation_bytes,
-             "KV cache": s.cache_bytes, "unused": split.reserved_bytes
-             + (split.kv_bytes - s.cache_bytes if split.kv_bytes > 0 else 0)}
+    kv = budget.kv_cache_bytes
+    parts = {"weights": budget.weights_bytes, "activations": budget.activation_bytes,
+             "KV cache": s.cache_bytes, "unused": budget.reserved_bytes
+             + (kv - s.cache_bytes if kv > 0 else 0)}
     for part, value in parts.items():
         fig.add_bar(name=part, x=["device"], y=[value / GiB], marker_color=COLORS[part],
                     row=1, col=1, hovertemplate="%{y:,.3f} GiB<extra>" + part + "</extra>")
@@ -203,31 +205,31 @@ def kv_calculator(split, title: str = "") -> go.Figure:
     fig.update_yaxes(type="log", title_text="requests", row=1, col=2, dtick=1)
     fig.update_yaxes(title_text="GiB", row=1, col=1)
     fig.update_layout(barmode="stack", title=title or (
-        f"{s.num_blocks:,} blocks of {s.spec.block_size} tokens · {s.num_tokens:,} tokens · "
+        f"{s.num_blocks:,} blocks of {s.layout.block_size} tokens · {s.num_tokens:,} tokens · "
         f"{s.max_concurrency:.2f}× concurrency at max_model_len {s.max_model_len:,}"))
     return fig
 
 
-def kv_groups(sizing) -> go.Figure:
+def kv_groups(config) -> go.Figure:
     """Layers (columns) by KV cache group (rows): which group each layer's cache belongs to,
-    its attention kind, and the blocks a max_model_len request reserves in each group."""
-    spec, groups = sizing.spec, sizing.spec.groups
+    its attention kind, and the blocks a max_model_len request reserves in each group
+    (`KVCacheConfig`)."""
+    layout, groups = config.layout, config.layout.groups
     z, text = [], []
     for g in groups:
         z.append([(1 if g.window is None else 0) if i in g.layers else None
-                  for i in range(spec.num_layers)])
-        text.append([f"layer {i}: {g.describe().split(':')[0]}" for i in range(spec.num_layers)])
-    need = [g.blocks_per_request(sizing.max_model_len, spec.block_size, sizing.in_flight_tokens)
-            for g in groups]
+                  for i in range(layout.num_layers)])
+        text.append([f"layer {i}: {g.spec.describe()}" for i in range(layout.num_layers)])
+    need = [g.blocks_per_request(config.max_model_len, config.in_flight_tokens) for g in groups]
     rows = [f"group {k}: {n:,} blocks" for k, n in enumerate(need)]
-    fig = go.Figure(go.Heatmap(z=z, x=list(range(spec.num_layers)), y=rows, text=text, zmin=0,
+    fig = go.Figure(go.Heatmap(z=z, x=list(range(layout.num_layers)), y=rows, text=text, zmin=0,
                                zmax=1, colorscale=[[0, COLORS["short"]], [1, COLORS["KV cache"]]],
                                showscale=False, xgap=2, ygap=2,
                                hovertemplate="%{text}<br>%{y} per request<extra></extra>"))
     fig.update_layout(
-        title=f"{len(groups)} KV cache group(s) of at most {spec.group_size} layers · a block id "
-              f"costs {spec.group_size} × {spec.page_bytes:,} B<br><sup>a request of "
-              f"{sizing.max_model_len:,} tokens reserves {sizing.blocks_per_request:,} blocks "
+        title=f"{len(groups)} KV cache group(s) of at most {layout.group_size} layers · a block "
+              f"id costs {layout.group_size} × {layout.page_size_bytes:,} B<br><sup>a request of "
+              f"{config.max_model_len:,} tokens reserves {config.blocks_per_request:,} blocks "
               "in all · green: full attention, red: sliding window</sup>",
         xaxis_title="layer", yaxis_autorange="reversed", height=160 + 28 * len(groups))
     return fig
@@ -271,11 +273,12 @@ def step_vs_context(curves) -> go.Figure:
     return fig
 
 
-def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
-    """Which sequence owns each of the first blocks of the cache (free blocks blank)."""
-    owner = [None] * min(allocator.num_blocks, max_blocks)
-    for seq, table in allocator.tables.items():
-        for block in table:
+def block_ownership(tables, max_blocks: int = 256) -> go.Figure:
+    """Which sequence owns each of the first blocks of the cache, in any group's table
+    (`GroupedBlockTables`; free blocks and the null block, block 0, blank)."""
+    owner = [None] * min(tables.num_blocks, max_blocks)
+    for seq, per_group in tables.tables.items():
+        for block in (b for table in per_group for b in table if b):
             if block < len(owner):
                 owner[block] = seq
     width = 32
@@ -286,8 +289,8 @@ def block_ownership(allocator, max_blocks: int = 256) -> go.Figure:
                                customdata=[[i * width + j for j in range(len(r))]
                                            for i, r in enumerate(rows)]))
     shown = len(owner)
-    which = (f"all {shown:,} blocks" if shown == allocator.num_blocks else
-             f"the first {shown:,} of the cache's {allocator.num_blocks:,} blocks")
+    which = (f"all {shown:,} blocks" if shown == tables.num_blocks else
+             f"the first {shown:,} of the cache's {tables.num_blocks:,} blocks")
     fig.update_layout(title=f"Block ownership: {which} (colour: sequence; blank: free)",
                       xaxis_title="block % 32", yaxis_title="block // 32",
                       yaxis_autorange="reversed")

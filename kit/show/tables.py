@@ -147,23 +147,25 @@ def memory_pr_table(v) -> Table:
 
 # --- chapter 02 -------------------------------------------------------------------------------
 
-def sizing_table(sizing) -> Table:
-    """Chapter 02's blocks, tokens and concurrency (`KVCacheSizing`)."""
-    spec = sizing.spec
-    return Table([{"bytes per token": f"{spec.bytes_per_token:,}",
-                   "bytes per block": f"{spec.bytes_per_block:,}",
-                   "KV budget": fmt_bytes(sizing.budget_bytes),
-                   "num_blocks": f"{sizing.num_blocks:,}",
-                   "cache bytes": fmt_bytes(sizing.cache_bytes),
-                   "tokens": f"{sizing.num_tokens:,}",
-                   "max concurrency": f"{sizing.max_concurrency:.2f}×"}])
+def sizing_table(config) -> Table:
+    """Chapter 02's blocks, tokens and concurrency (`KVCacheConfig`)."""
+    layout = config.layout
+    return Table([{"bytes per token": f"{layout.bytes_per_token:,}",
+                   "bytes per block": f"{layout.bytes_per_block:,}",
+                   "KV budget": fmt_bytes(config.budget_bytes),
+                   "num_blocks": f"{config.num_blocks:,}",
+                   "cache bytes": fmt_bytes(config.cache_bytes),
+                   "tokens": f"{config.num_tokens:,}",
+                   "max concurrency": f"{config.max_concurrency:.2f}×"}])
 
 
-def block_tables_table(allocator, shown: int = 12) -> Table:
-    """Each sequence's tokens and blocks, and the first `shown` entries of its block table."""
-    return Table([{"seq": seq, "tokens": allocator.lengths[seq], "blocks": len(t),
+def block_tables_table(tables, shown: int = 12) -> Table:
+    """Each sequence's tokens and blocks, and the first `shown` entries of its block table in
+    each KV cache group (`GroupedBlockTables`)."""
+    return Table([{"seq": seq, **({"group": g} if len(per_group) > 1 else {}),
+                   "tokens": tables.num_computed_tokens[seq], "blocks": len(t),
                    "block table": t[:shown] + (["…"] if len(t) > shown else [])}
-                  for seq, t in allocator.tables.items()])
+                  for seq, per_group in tables.tables.items() for g, t in enumerate(per_group)])
 
 
 def group_steps_table(result, changes_only: bool = True) -> Table:

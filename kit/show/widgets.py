@@ -9,7 +9,6 @@ from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
 from kit.show.plots import kv_calculator as calculator_figure
-from kit.studies.kv_cache_sizing import LAYER_PATTERNS, calculate
 from kit.units import GiB
 
 
@@ -35,8 +34,9 @@ def slider_bytes(gib: float, capacity_bytes: int) -> int:
         else round(gib * GiB)
 
 
-def calculator_controls(settings, capacity_bytes: int) -> dict:
-    """One control per knob of the calculator, starting at the settings' values."""
+def calculator_controls(settings, capacity_bytes: int, layer_patterns: dict) -> dict:
+    """One control per knob of the calculator, starting at the settings' values
+    (`layer_patterns`: the study's patterns, name -> full_every)."""
     controls = {
         "model": w.Dropdown(options=list(dict.fromkeys([settings.model, *known_names(MODELS_DIR)])),
                             value=settings.model),
@@ -50,7 +50,7 @@ def calculator_controls(settings, capacity_bytes: int) -> dict:
             if settings.max_model_len in MAX_MODEL_LENS else 1024),
         "tensor_parallel_size": w.Dropdown(options=[1, 2, 4, 8],
                                            value=settings.tensor_parallel_size),
-        "full_every": w.Dropdown(options=list(LAYER_PATTERNS.items()), value=0),
+        "full_every": w.Dropdown(options=list(layer_patterns.items()), value=0),
         "sliding_window": w.Dropdown(options=[("the model's own", 0)] + [
             (f"{n:,} tokens", n) for n in (128, 512, 1024, 4096)], value=0),
     }
@@ -61,13 +61,15 @@ def calculator_controls(settings, capacity_bytes: int) -> dict:
     return controls
 
 
-def numbers_html(split, source: str) -> str:
-    """The calculator's numbers in one line, vLLM's log line included."""
-    s = split.sizing
+def numbers_html(calc) -> str:
+    """The calculator's numbers in one line, vLLM's log line included
+    (`kv_cache_sizing.Calculation`)."""
+    s = calc.config
     return (f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
-            f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.spec.bytes_per_block:,} B per "
-            f"block · activations {source} · <code>{s.log_line()}</code>"
-            + ("" if split.kv_bytes > 0 else " · <b>No available memory for the cache blocks</b>"))
+            f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.layout.bytes_per_block:,} B per "
+            f"block · activations {calc.activations} · <code>{s.log_line()}</code>"
+            + ("" if calc.budget.kv_cache_bytes > 0
+               else " · <b>No available memory for the cache blocks</b>"))
 
 
 def figure_output(fig) -> dict:
@@ -79,9 +81,11 @@ def figure_output(fig) -> dict:
                      "text/plain": f"<figure: {fig.layout.title.text}>"}}
 
 
-def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int):
-    """Controls for the knobs, a live figure and the numbers; returns the widget box."""
-    controls = calculator_controls(settings, capacity_bytes)
+def kv_calculator(settings, capacity_bytes: int, compute, layer_patterns: dict):
+    """Controls for the knobs, a live figure and the numbers; returns the widget box.
+    `compute(model=..., capacity_bytes=..., **knobs)` answers for the knobs' values (chapter
+    02's `kv_cache_sizing.calculator`); this module only draws what it returns."""
+    controls = calculator_controls(settings, capacity_bytes, layer_patterns)
     numbers = w.HTML()
     numbers.add_class("kit-calculator-numbers")
     out = w.Output()
@@ -89,15 +93,14 @@ def kv_calculator(settings, capacity_bytes: int, measured_activation_bytes: int)
     def redraw(_=None):
         v = {k: c.value for k, c in controls.items()}
         try:
-            split, source = calculate(settings, measured_activation_bytes, v.pop("model"),
-                                      capacity_bytes=slider_bytes(v.pop("device_memory_gib"),
-                                                                       capacity_bytes), **v)
+            calc = compute(model=v.pop("model"), capacity_bytes=slider_bytes(
+                v.pop("device_memory_gib"), capacity_bytes), **v)
         except ValueError as e:  # e.g. tensor_parallel_size not dividing the heads
             numbers.value = f"<b>{e}</b>"
             out.outputs = ()
             return
-        numbers.value = numbers_html(split, source)
-        out.outputs = (figure_output(calculator_figure(split)),)
+        numbers.value = numbers_html(calc)
+        out.outputs = (figure_output(calculator_figure(calc)),)
 
     for control in controls.values():
         control.observe(redraw, names="value")

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kit.config import TOLERANCE, Settings, reference
-from kit.engine.kv_cache import KVCacheSpec, memory_budget, size_for_settings
+from kit.engine.budget import requested_memory
+from kit.engine.kv_cache import KVCacheLayout, config_for_settings
 from kit.engine.memory_profile import check_fits, profile_batch, profile_run
 from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
@@ -187,13 +188,12 @@ class Comparison:
 class _Bench:
     """The shared state of one comparison: model, inputs, eager references."""
 
-    def __init__(self, settings: Settings, step_sizes: list[int]):
-        self.settings, self.device = settings, settings.device
+    def __init__(self, settings: Settings, layout: KVCacheLayout, step_sizes: list[int]):
+        self.settings, self.layout, self.device = settings, layout, settings.device
         # CUDA memory before the model exists, so profiles can tell non-torch memory apart
         self.before = cuda_usage() if self.device == "cuda" else None
         self.model = build_model(settings.arch, settings.dtype, self.device, settings.seed)
         self.weights = weights_bytes(self.model)
-        self.spec = KVCacheSpec.from_settings(settings)
         gen = torch.Generator().manual_seed(settings.seed)
         sizes = sorted(set(step_sizes) | {settings.batch_size})
         # one fixed [batch, 1] input per batch size, the same for every plan
@@ -219,7 +219,7 @@ def _profile(bench: _Bench, plan: Plan, res: PlanResult):
     res.peak_activation_bytes = prof.peak_activation_bytes
     res.non_torch_bytes = prof.non_torch_bytes
     res.kv_cache_bytes = prof.kv_cache_bytes
-    res.num_blocks = size_for_settings(s, prof.kv_cache_bytes).num_blocks
+    res.num_blocks = config_for_settings(bench.layout, s, prof.kv_cache_bytes).num_blocks
     return runner if plan.profile_with == plan.serve else None
 
 
@@ -329,10 +329,11 @@ def overhead_probe(device: str, batch: int = 8, rounds: int = 30, calls: int = 2
             for name, t in timings.items()}
 
 
-def compare(settings: Settings, plans=None, step_sizes=None, rounds: int = 30,
-            calls: int = 10) -> Comparison:
-    """Run every plan (or those named) on one model and one set of inputs; see the module
-    docstring for what is measured. `step_sizes`: the decode batch sizes, one per step
+def compare(settings: Settings, layout: KVCacheLayout, plans=None, step_sizes=None,
+            rounds: int = 30, calls: int = 10) -> Comparison:
+    """Run every plan (or those named) on one model and one set of inputs, each profile's KV
+    budget in blocks of the run's cache (`layout`); see the module docstring for what is
+    measured. `step_sizes`: the decode batch sizes, one per step
     (default: `decode_batch_sizes(max_num_seqs)`). Timings interleave all plans over
     `rounds` rounds of `calls` calls each."""
     plans = get_plans(plans)
@@ -340,7 +341,7 @@ def compare(settings: Settings, plans=None, step_sizes=None, rounds: int = 30,
     step_sizes = list(step_sizes or decode_batch_sizes(settings.max_num_seqs, seed=settings.seed))
     results, runners = {}, {}
     with torch.inference_mode():
-        bench = _Bench(settings, step_sizes)
+        bench = _Bench(settings, layout, step_sizes)
         for plan in plans:
             results[plan.name], runner = run_plan(bench, plan, step_sizes)
             if runner is not None:
@@ -349,10 +350,10 @@ def compare(settings: Settings, plans=None, step_sizes=None, rounds: int = 30,
         _time_all(bench, results, runners, rounds, calls)
     for runner in runners.values():
         runner.discard()
-    budget = memory_budget(capacity_bytes(settings.device, settings.device_memory),
-                           settings.gpu_memory_utilization)
+    budget = requested_memory(capacity_bytes(settings.device, settings.device_memory),
+                              settings.gpu_memory_utilization)
     return Comparison(settings, results, settings.batch_size, step_sizes,
-                      bench.spec.bytes_per_block, bench.weights, budget, rounds, calls)
+                      layout.bytes_per_block, bench.weights, budget, rounds, calls)
 
 
 OVERHEAD_TARGET = 0.05  # the issue's: guard-free at most 5% above the graph called directly
@@ -371,7 +372,7 @@ def overhead_target(comparison: Comparison, plan: str = "guard_free") -> dict:
             "met_best": res.overhead_best_fraction <= OVERHEAD_TARGET}
 
 
-def pr_ratios(comparison: Comparison) -> dict:
+def versus_pr(comparison: Comparison) -> dict:
     """The PR's ratios beside the measured ones: KV blocks of the PR's final plan over its
     first (4 ÷ 3), and the decode forward with the profiling compile discarded over kept
     (4 ÷ 2)."""

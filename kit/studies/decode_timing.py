@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, reference
+from kit.engine.budget import kv_budget, weights_budget
 from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
-                               decode_inputs, decode_spec, generate, kv_cache_for,
-                               prompt_lengths)
+                               decode_inputs, generate, prompt_lengths)
 from kit.engine.decode_runners import SharedPrefill, warm_up
-from kit.engine.kv_cache import KVCacheSpec, kv_budget, memory_budget
+from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import summed_attention
 from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, build_model, weights_bytes
@@ -219,43 +219,45 @@ class CacheFit:
         return {**Count.of(self.__dict__), "budget_bytes": Bytes(self.budget_bytes)}
 
 
-def check_request(settings: Settings) -> None:
-    """Refuse what the paged decode cannot run, with what to change."""
+def check_request(settings: Settings, layout: KVCacheLayout) -> None:
+    """Refuse what the paged decode cannot run in the run's KV cache (`layout`), with what to
+    change."""
     if settings.output_len < 2:
         raise ConfigError(f"output_len={settings.output_len}: the prefill makes the first token, "
                           "so timing decode steps needs output_len of 2 or more")
     if settings.tensor_parallel_size != 1:
         raise ConfigError(f"tensor_parallel_size={settings.tensor_parallel_size}: the kit's "
                           "decode runs on one device; use 1")
-    spec = KVCacheSpec.from_settings(settings)
-    if spec.dtype_bytes != settings.dtype_bytes or spec.kv_cache_dtype not in ("auto",
-                                                                             settings.dtype):
+    if layout.cache_dtype != settings.dtype:
         raise ConfigError(f"kv_cache_dtype={settings.kv_cache_dtype!r}: the kit's decode stores "
                           f"keys and values in the model's dtype ({settings.dtype}); use 'auto'")
 
 
-def fit_in_cache(settings: Settings, budget_bytes: int, budget_source: str) -> CacheFit:
-    """The run's blocks against `budget_bytes`; refuses, naming the missing blocks, when the
-    tokens do not fit."""
-    spec = decode_spec(settings)  # vLLM's layout: a block id costs bytes_per_block
+def fit_in_cache(settings: Settings, layout: KVCacheLayout, budget_bytes: int,
+                 budget_source: str) -> CacheFit:
+    """The run's blocks in its KV cache (`layout`) against `budget_bytes`; refuses, naming the
+    missing blocks, when the tokens do not fit."""
     lengths = prompt_lengths(settings.batch_size, settings.input_len)
     steps = settings.output_len - 1
-    budget_blocks = max(0, budget_bytes) // spec.bytes_per_block
-    need = check_capacity(lengths, steps, settings.block_size, budget_blocks,
-                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)", spec.groups)
-    return CacheFit(lengths, steps, settings.block_size, need, budget_bytes, budget_source,
+    budget_blocks = max(0, budget_bytes) // layout.bytes_per_block
+    need = check_capacity(layout, lengths, steps, budget_blocks,
+                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
+    return CacheFit(lengths, steps, layout.block_size, need, budget_bytes, budget_source,
                     budget_blocks)
 
 
-def early_fit(settings: Settings) -> CacheFit:
-    """Before loading anything: the exact fit when kv_cache_memory_bytes is given, else one
-    against the most the cache could ever get (capacity × utilization − weights)."""
+def early_fit(settings: Settings, layout: KVCacheLayout) -> CacheFit:
+    """Before loading anything: the request checked (`check_request`), then the exact fit when
+    kv_cache_memory_bytes is given, else one against the most the cache could ever get
+    (capacity × utilization − weights)."""
+    check_request(settings, layout)
     if settings.kv_cache_memory_bytes is not None:
-        return fit_in_cache(settings, settings.kv_cache_memory_bytes, "kv_cache_memory_bytes")
-    most = memory_budget(capacity_bytes(settings.device, settings.device_memory),
-                         settings.gpu_memory_utilization) \
-        - settings.arch.num_parameters() * settings.dtype_bytes
-    return fit_in_cache(settings, most, "capacity × gpu_memory_utilization − weights")
+        return fit_in_cache(settings, layout, settings.kv_cache_memory_bytes,
+                            "kv_cache_memory_bytes")
+    most = weights_budget(settings.arch, settings.dtype,
+                          capacity_bytes(settings.device, settings.device_memory),
+                          settings.gpu_memory_utilization).kv_cache_bytes
+    return fit_in_cache(settings, layout, most, "capacity × gpu_memory_utilization − weights")
 
 
 def decode_budget(settings: Settings, model: Decoder,
@@ -279,6 +281,7 @@ class DecodeReport:
     """Everything one decode benchmark measured."""
 
     settings: Settings
+    layout: KVCacheLayout
     fit: CacheFit
     limits: DeviceLimits
     mixed_lens: list[int]
@@ -289,6 +292,7 @@ class DecodeReport:
     eager_summed: StrategyTiming | None  # the eager step with compiled code's attention form
     machine: dict = field(default_factory=dict)
     load_average: dict = field(default_factory=dict)
+    weights_bytes: int = 0              # the built model's parameter bytes, counted tensor by tensor
 
     @property
     def floor_seconds(self) -> list[float]:
@@ -369,31 +373,31 @@ class DecodeReport:
                 "load_average": Number.of(self.load_average)}
 
 
-def run_decode(settings: Settings, progress=print, recorded: dict | None = None) -> DecodeReport:
-    """The chapter's measurement: correctness, then every strategy timed against the floor.
-    `recorded`: chapter 01's record in this run folder, whose eager profile sizes the budget
-    when it was measured with the same settings."""
-    check_request(settings)
-    early_fit(settings)
+def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
+               recorded: dict | None = None) -> DecodeReport:
+    """The chapter's measurement in the run's KV cache (`layout`): correctness, then every
+    strategy timed against the floor. `recorded`: chapter 01's record in this run folder,
+    whose eager profile sizes the budget when it was measured with the same settings."""
+    early_fit(settings, layout)
     strategies = settings.strategies_to_run()
     load_before = os.getloadavg()
     progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    fit = fit_in_cache(settings, *decode_budget(settings, model, recorded))
+    fit = fit_in_cache(settings, layout, *decode_budget(settings, model, recorded))
     progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
              f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
-    kv_cache = kv_cache_for(settings, fit.blocks_needed)
+    kv_cache = allocate(layout, fit.blocks_needed, settings.device)
     progress("measuring copy bandwidth and matmul throughput (about a second each) ...")
     limits = measure_limits(settings.device, settings.dtype)
     speed = beside_float32(settings.device, settings.dtype, limits.matmul_flops_per_second)
     progress(f"  {limits.bandwidth / 1e9:,.1f} GB/s copy, "
              f"{fmt_flops(limits.matmul_flops_per_second)} {settings.dtype} matmul"
              + (f" ({speed.slowdown:,.1f}× slower than float32)" if speed and speed.slow else ""))
-    mixed_lens, mixed = check_mixed_lengths(settings, model, kv_cache)
+    mixed_lens, mixed = check_mixed_lengths(settings, layout, model, kv_cache)
     progress(f"mixed prompt lengths {mixed_lens}: max logit error {mixed.max_error:.1e} "
              f"(tolerance {mixed.tolerance:.0e} for {settings.dtype})")
-    costs = step_costs(settings, fit)
-    batch, prompts = decode_inputs(settings, kv_cache)
+    costs = step_costs(settings, layout, fit)
+    batch, prompts = decode_inputs(settings, layout, kv_cache)
     samples = []  # the copy again after each round of timed runs
     summed = StrategyTiming(EAGER_SUMMED, len(prompts))
 
@@ -407,25 +411,25 @@ def run_decode(settings: Settings, progress=print, recorded: dict | None = None)
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
                  f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
-    return DecodeReport(settings, fit, limits, mixed_lens, mixed, timings, costs, speed, summed,
-                        machine={**describe(settings.device), "versions": versions()},
-                        load_average={"before": load_before, "after": os.getloadavg()})
+    return DecodeReport(settings, layout, fit, limits, mixed_lens, mixed, timings, costs, speed,
+                        summed, machine={**describe(settings.device), "versions": versions()},
+                        load_average={"before": load_before, "after": os.getloadavg()},
+                        weights_bytes=weights_bytes(model))
 
 
-def step_costs(settings: Settings, fit: CacheFit) -> list[StepCost]:
+def step_costs(settings: Settings, layout: KVCacheLayout, fit: CacheFit) -> list[StepCost]:
     """What each decode step of the run must move and compute (its context grows a token a
     step)."""
-    spec = KVCacheSpec.from_settings(settings)
-    return [decode_step_cost(settings.arch, settings.dtype_bytes, spec.bytes_per_token,
-                             [n + t + 1 for n in fit.prompt_lens], spec.windows)
+    return [decode_step_cost(settings.arch, settings.dtype_bytes, layout.specs,
+                             [n + t + 1 for n in fit.prompt_lens])
             for t in range(fit.steps)]
 
 
-def check_mixed_lengths(settings: Settings, model: Decoder,
+def check_mixed_lengths(settings: Settings, layout: KVCacheLayout, model: Decoder,
                         kv_cache: torch.Tensor) -> tuple[list[int], Correctness]:
     """An eager run of prompts of different lengths in one batch against the reference (they
     are no longer than input_len, so they fit in the cache the timed runs use)."""
-    batch, prompts = decode_inputs(settings, kv_cache, mixed=True, seed_offset=1)
+    batch, prompts = decode_inputs(settings, layout, kv_cache, mixed=True, seed_offset=1)
     run = generate(model, batch, prompts, settings.output_len - 1)
     return batch.lengths, check_against_reference(model, prompts, run, settings.dtype)
 
@@ -442,7 +446,7 @@ def vllm_cpu_reference(settings: Settings) -> dict | None:
                  and r["input_len"] == settings.input_len), None)
 
 
-def pr_ratios(timings: dict[str, StrategyTiming]) -> dict:
+def versus_pr(timings: dict[str, StrategyTiming]) -> dict:
     """Stock compile (guards checked on every call) over guard-free, per step and end to end,
     beside the PR's before ÷ after; empty unless both strategies ran."""
     if "stock" not in timings or "guard_free" not in timings:

@@ -1,17 +1,16 @@
 """Chapter 02, building the KV cache: the blocks a budget buys (the arithmetic is
-`kit.engine.kv_cache`), block tables handed to a batch of requests, the calculator behind the
-chapter's widget, and the PR's Gemma-2B blocks turned into bytes.
+`kit.engine.kv_cache`), block tables handed to a batch of requests by the block manager, the
+calculator behind the chapter's widget, and the PR's Gemma-2B blocks turned into bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kit.config import ModelConfig, Settings, reference
-from kit.engine.block_table import BlockAllocator, OutOfBlocks
-from kit.engine.kv_groups import with_layer_pattern
-from kit.engine.kv_cache import (BudgetSplit, KVCacheSpec, device_label,
-                                 estimate_activation_bytes, in_flight_tokens, size_kv_cache,
-                                 split_budget)
+from kit.config import ModelConfig, Settings, reference, with_layer_pattern
+from kit.engine.block_manager import GroupedBlockTables, OutOfBlocks
+from kit.engine.budget import MemoryBudget, estimate_activation_bytes, weights_budget
+from kit.engine.kv_cache import (KVCacheConfig, KVCacheLayout, device_label, in_flight_tokens,
+                                 kv_cache_config)
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, Ratio
 
@@ -21,42 +20,42 @@ LAYER_PATTERNS = {"the model's own": 0, "all full attention": 1, "all sliding": 
                   "1 full in 2 (Gemma 2)": 2, "1 full in 6 (Gemma 3)": 6}
 
 
-def hand_out_blocks(num_blocks: int, settings: Settings) -> BlockAllocator:
+def hand_out_blocks(config: KVCacheConfig, settings: Settings) -> GroupedBlockTables:
     """`batch_size` requests of mixed prompt lengths up to `input_len` (7 tokens apart) get
-    their blocks, then each generates `output_len` tokens: the allocator as it ends. Blocks of
-    the size vLLM sizes the cache with (`KVCacheSpec.from_settings`)."""
-    allocator = BlockAllocator(num_blocks, KVCacheSpec.from_settings(settings).block_size)
+    their blocks from the block manager, then each generates `output_len` tokens: the tables
+    as they end, in the run's KV cache (`config`)."""
+    tables = GroupedBlockTables(config.num_blocks, config.layout.groups)
     prompt_lens = [max(1, settings.input_len - 7 * i) for i in range(settings.batch_size)]
     for seq, n in enumerate(prompt_lens):
-        allocator.allocate(seq, n)
+        tables.allocate_slots(seq, n)
     for _ in range(settings.output_len):
         for seq in range(settings.batch_size):
-            allocator.append_token(seq)
-    return allocator
+            tables.allocate_slots(seq, 1)
+    return tables
 
 
-def requests_that_fit(num_blocks: int, settings: Settings) -> int:
-    """How many requests of `max_model_len` tokens the block allocator hands blocks to before it
+def requests_that_fit(config: KVCacheConfig) -> int:
+    """How many requests of `max_model_len` tokens the block manager hands blocks to before it
     runs out: the concurrency vLLM's start-up line states, counted instead of divided (for
     layers that all attend fully; a window's reservation is chapter 02's groups section)."""
-    allocator = BlockAllocator(num_blocks, KVCacheSpec.from_settings(settings).block_size)
+    tables = GroupedBlockTables(config.num_blocks, config.layout.groups)
     held = 0
     try:
         while True:
-            allocator.allocate(held, settings.max_model_len)
+            tables.allocate_slots(held, config.max_model_len)
             held += 1
     except OutOfBlocks:
         return held
 
 
-def concurrency_curve(arch: ModelConfig, budget_bytes: int, lengths: list[int], *,
-                      block_size: int, dtype: str, in_flight: int) -> list[float | None]:
+def concurrency_by_length(arch: ModelConfig, budget_bytes: int, lengths: list[int], *,
+                          block_size: int, dtype: str, in_flight: int) -> list[float | None]:
     """Max concurrency for requests of each length (None where vLLM would refuse)."""
-    spec = KVCacheSpec.for_model(arch, block_size, dtype)
+    layout = KVCacheLayout.for_model(arch, block_size, dtype)
     out = []
     for n in lengths:
         try:
-            out.append(size_kv_cache(spec, budget_bytes, n, in_flight_tokens=in_flight)
+            out.append(kv_cache_config(layout, budget_bytes, n, in_flight_tokens=in_flight)
                        .max_concurrency)
         except ConfigError:
             out.append(None)
@@ -65,11 +64,12 @@ def concurrency_curve(arch: ModelConfig, budget_bytes: int, lengths: list[int], 
 
 def windowed_and_full(arch: ModelConfig, budget_bytes: int, lengths: list[int],
                       **how) -> dict[str, list]:
-    """The lesson of sliding windows: `concurrency_curve` as the model is, and with every
+    """The lesson of sliding windows: `concurrency_by_length` as the model is, and with every
     layer full attention (`how`: block_size, dtype, in_flight)."""
-    return Ratio.of({"as configured": concurrency_curve(arch, budget_bytes, lengths, **how),
-                     "all full attention": concurrency_curve(with_layer_pattern(arch, 1),
-                                                             budget_bytes, lengths, **how)})
+    full = with_layer_pattern(arch, 1)
+    return Ratio.of({"as configured": concurrency_by_length(arch, budget_bytes, lengths, **how),
+                     "all full attention": concurrency_by_length(full, budget_bytes, lengths,
+                                                                 **how)})
 
 
 # The lesson's setting (issue 23's measurement with vLLM 0.32): an 8 GiB cache in bf16, block
@@ -86,12 +86,12 @@ def lesson_curves() -> dict[str, dict[str, list]]:
             for name in LESSON["models"]}
 
 
-def lesson_sizing(name: str, max_model_len: int = 32_768):
-    """`name`'s cache at the lesson's setting (`KVCacheSizing`)."""
+def lesson_config(name: str, max_model_len: int = 32_768) -> KVCacheConfig:
+    """`name`'s cache at the lesson's setting."""
     how = LESSON["how"]
-    spec = KVCacheSpec.for_model(ModelConfig.load(name), how["block_size"], how["dtype"])
-    return size_kv_cache(spec, LESSON["budget_bytes"], max_model_len,
-                         in_flight_tokens=how["in_flight"])
+    layout = KVCacheLayout.for_model(ModelConfig.load(name), how["block_size"], how["dtype"])
+    return kv_cache_config(layout, LESSON["budget_bytes"], max_model_len,
+                           in_flight_tokens=how["in_flight"])
 
 
 def curve_lines(curves: dict[str, dict[str, list]]) -> list[tuple[str, list, list, str]]:
@@ -101,42 +101,61 @@ def curve_lines(curves: dict[str, dict[str, list]]) -> list[tuple[str, list, lis
             for name, by_label in curves.items() for label, values in by_label.items()]
 
 
-def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None,
-              **knobs) -> tuple[BudgetSplit, str]:
-    """The calculator for `model` (default: the settings' model): the measured activations when
-    it is the profiled model, else the kit's eager estimate; returns the split and which one
-    ("measured" or "estimated"). `knobs`: `split_budget`'s arguments (capacity_bytes,
-    gpu_memory_utilization, block_size, ...)."""
+@dataclass(frozen=True)
+class Calculation:
+    """One answer of the calculator: how the device's memory splits, and what the KV cache's
+    share buys; `activations` says whether the activations were "measured" or "estimated"."""
+
+    budget: MemoryBudget
+    config: KVCacheConfig
+    activations: str
+
+
+def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None, *,
+              capacity_bytes: int, gpu_memory_utilization: float, block_size: int,
+              kv_cache_dtype: str, max_model_len: int, tensor_parallel_size: int = 1,
+              full_every: int | None = 0, sliding_window: int | None = None) -> Calculation:
+    """The calculator for one rank of `model` (default: the settings' model): the measured
+    activations when it is the profiled model, else the kit's eager estimate. `full_every`
+    and `sliding_window` change its layers (`with_layer_pattern`); the device, batched tokens
+    and dtype are the settings'."""
     profiled = model in (None, settings.model, settings.arch.name)
     arch = settings.arch if profiled else ModelConfig.load(model)
-    arch = with_layer_pattern(arch, knobs.pop("full_every", 0), knobs.pop("sliding_window", 0) or None)
-    if profiled:
-        activations, source = measured_activation_bytes, "measured"
-    else:
-        activations, source = estimate_activation_bytes(
-            arch, settings.max_num_batched_tokens, settings.max_num_seqs,
-            settings.dtype_bytes), "estimated"
-    knobs.setdefault("device_label", device_label(settings.device))  # the log line's "CPU"
-    knobs.setdefault("in_flight_tokens", in_flight_tokens(settings))  # what a window reserves
-    knobs.setdefault("device", settings.device)  # vLLM's CPU blocks for windows
-    return split_budget(arch, settings.dtype, activation_bytes=activations, **knobs), source
+    arch = with_layer_pattern(arch, full_every, sliding_window or None)
+    activations = measured_activation_bytes if profiled else estimate_activation_bytes(
+        arch, settings.max_num_batched_tokens, settings.max_num_seqs, settings.dtype_bytes)
+    budget = weights_budget(arch, settings.dtype, capacity_bytes, gpu_memory_utilization,
+                            tensor_parallel_size, activations)
+    layout = KVCacheLayout.for_model(arch, block_size, settings.dtype, kv_cache_dtype,
+                                     tensor_parallel_size, settings.device)
+    config = KVCacheConfig(layout, max(0, budget.kv_cache_bytes), max_model_len,
+                           device_label(settings.device), in_flight_tokens(settings))
+    return Calculation(budget, config, "measured" if profiled else "estimated")
+
+
+def calculator(settings: Settings, measured_activation_bytes: int):
+    """`calculate` for the settings and their measured activations, as a function of the
+    widget's knobs (`kit.show.widgets.kv_calculator` calls it on every change)."""
+    def compute(**knobs) -> Calculation:
+        return calculate(settings, measured_activation_bytes, **knobs)
+    return compute
 
 
 def calculate_for_settings(settings: Settings, capacity: int,
-                           measured_activation_bytes: int) -> BudgetSplit:
+                           measured_activation_bytes: int) -> Calculation:
     """The calculator at the settings' own knobs (what the chapter's static figure shows)."""
     return calculate(settings, measured_activation_bytes, capacity_bytes=capacity,
                      gpu_memory_utilization=settings.gpu_memory_utilization,
                      block_size=settings.block_size, kv_cache_dtype=settings.kv_cache_dtype,
                      max_model_len=settings.max_model_len,
-                     tensor_parallel_size=settings.tensor_parallel_size)[0]
+                     tensor_parallel_size=settings.tensor_parallel_size)
 
 
 @dataclass
 class PRArithmetic:
     """The PR's Gemma-2B blocks in bytes, beside this run's eager and compiled profiles."""
 
-    gemma: KVCacheSpec            # Gemma-2B's cache at the PR's block size, bf16
+    gemma: KVCacheLayout          # Gemma-2B's cache at the PR's block size, bf16
     pr_blocks: dict[str, int]     # {"compiled": 34552, "eager": 25752}
     here_blocks: dict[str, int]   # this run's blocks from each profile
     bytes_per_block: int          # this run's
@@ -163,13 +182,14 @@ class PRArithmetic:
                 "blocks_compiled_profile": Count(self.here_blocks["compiled"])}
 
 
-def pr_arithmetic(spec: KVCacheSpec, profiles: dict[str, dict]) -> PRArithmetic:
-    """`profiles`: chapter 01's summaries ("eager", "compiled"); `spec`: this run's cache."""
+def pr_arithmetic(layout: KVCacheLayout, profiles: dict[str, dict]) -> PRArithmetic:
+    """`profiles`: chapter 01's summaries ("eager", "compiled"); `layout`: this run's cache."""
     pr = reference("pr7796")
-    gemma = KVCacheSpec.for_model(ModelConfig.load(pr["model"]), pr["block_size"],
-                                  "bfloat16")
-    here = {k: max(0, p["kv_cache_bytes"]) // spec.bytes_per_block for k, p in profiles.items()}
+    gemma = KVCacheLayout.for_model(ModelConfig.load(pr["model"]), pr["block_size"],
+                                    "bfloat16")
+    here = {k: max(0, p["kv_cache_bytes"]) // layout.bytes_per_block
+            for k, p in profiles.items()}
     peaks = {k: p["peak_activation_bytes"] for k, p in profiles.items()}
     return PRArithmetic(gemma, {"compiled": pr["kv_blocks_profile_compiled"],
                                 "eager": pr["kv_blocks_profile_eager"]},
-                        here, spec.bytes_per_block, peaks["eager"] - peaks["compiled"])
+                        here, layout.bytes_per_block, peaks["eager"] - peaks["compiled"])

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kit.config import ModelConfig, Settings, reference
-from kit.engine.kv_cache import KVCacheSpec
+from kit.config import ModelConfig, reference
+from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.memory_profile import MemoryProfile
 from kit.units import Bytes, Count, Fraction, Ratio, parse_bytes
 
 
-def blocks_left(settings: Settings, profiles: dict[str, "MemoryProfile"]) -> dict:
-    """The KV cache each profile leaves, in blocks of `block_size` tokens (chapter 02's unit:
-    vLLM's num_gpu_blocks); none when a profile leaves nothing."""
-    per_block = KVCacheSpec.from_settings(settings).bytes_per_block
+def blocks_left(layout: KVCacheLayout, profiles: dict[str, "MemoryProfile"]) -> dict:
+    """The KV cache each profile leaves, in blocks of the run's cache (`layout`; chapter 02's
+    unit: vLLM's num_gpu_blocks); none when a profile leaves nothing."""
+    per_block = layout.bytes_per_block
     return {**{name: Count(max(0, p.kv_cache_bytes) // per_block)
                for name, p in profiles.items()},
-            "block_size": Count(settings.block_size), "bytes_per_block": Bytes(per_block)}
+            "block_size": Count(layout.block_size), "bytes_per_block": Bytes(per_block)}
 
 
 @dataclass

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kit.config import Settings
+from kit.config import Settings, with_layer_pattern
 from kit.engine.decode import batch_for_run, make_prompts, step_function
-from kit.engine.kv_cache import KVCacheSpec
-from kit.engine.kv_groups import layer_windows, with_layer_pattern
+from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
@@ -34,7 +33,7 @@ class ContextCurve:
     window, so a windowed model's cache stops growing too)."""
 
     label: str
-    windows: tuple
+    layout: KVCacheLayout
     lengths: list[int]
     steps: dict[int, list[float]] = field(default_factory=dict)  # length -> step seconds
     floors: list[float] = field(default_factory=list)
@@ -52,7 +51,7 @@ class ContextCurve:
 
 def variants(arch, window: int) -> dict[str, object]:
     """The model as configured, and the same shape with the other kind of attention."""
-    if layer_windows(arch):
+    if any(arch.window(i) for i in range(arch.num_hidden_layers)):
         return {"as configured (sliding windows)": arch,
                 "all full attention": with_layer_pattern(arch, 1)}
     return {"as configured (full attention)": arch,
@@ -70,12 +69,12 @@ class PrefilledRun:
     """One variant's batch at one length: `batch_size` prompts of `length` tokens prefilled
     once, then decode steps timed a few at a time (the context grows a token a step)."""
 
-    def __init__(self, model, arch, settings: Settings, length: int, steps: int):
+    def __init__(self, model, layout: KVCacheLayout, settings: Settings, length: int,
+                 steps: int):
         lengths = [length] * settings.batch_size
-        spec = KVCacheSpec.for_model(arch, settings.block_size, settings.dtype)
-        self.batch = batch_for_run(spec, lengths, steps, settings.dtype, settings.device)
+        self.batch = batch_for_run(layout, lengths, steps, settings.device)
         self.device = settings.device
-        self.batch.start(model, make_prompts(lengths, arch.vocab_size, settings.seed))
+        self.batch.start(model, make_prompts(lengths, model.arch.vocab_size, settings.seed))
         self.step = step_function(model, self.batch.max_context_len)
 
     @torch.no_grad()
@@ -98,9 +97,12 @@ def step_time_by_context(settings: Settings, window: int | None = None, repeats:
     archs = variants(settings.arch, window)
     models = {k: build_model(a, settings.dtype, settings.device, settings.seed)
               for k, a in archs.items()}
-    curves = [ContextCurve(k, layer_windows(a), lengths) for k, a in archs.items()]
+    # each variant's KV cache at the run's block size, on the run's device
+    curves = [ContextCurve(k, KVCacheLayout.for_model(a, settings.block_size, settings.dtype,
+                                                      device=settings.device), lengths)
+              for k, a in archs.items()]
     for n in lengths:
-        runs = {c.label: PrefilledRun(models[c.label], archs[c.label], settings, n,
+        runs = {c.label: PrefilledRun(models[c.label], c.layout, settings, n,
                                       STEPS * (repeats + 1)) for c in curves}
         for r in range(repeats + 1):
             for curve in curves:
@@ -114,9 +116,7 @@ def step_time_by_context(settings: Settings, window: int | None = None, repeats:
                 f"{c.label} {statistics.median(c.steps[n]) * 1e3:.2f} ms" for c in curves))
     bandwidth = copy_bandwidth(settings.device, 0.5).rate
     for curve in curves:
-        kv = KVCacheSpec.for_model(archs[curve.label], settings.block_size, settings.dtype)
         curve.floors = [decode_step_cost(archs[curve.label], settings.dtype_bytes,
-                                         kv.bytes_per_token, [n + STEPS] * settings.batch_size,
-                                         curve.windows).floor_seconds(bandwidth)
-                        for n in lengths]
+                                         curve.layout.specs, [n + STEPS] * settings.batch_size
+                                         ).floor_seconds(bandwidth) for n in lengths]
     return curves

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kit.config import ModelConfig
-from kit.engine.group_tables import NULL_BLOCK, GroupedBlockTables, StepBlocks
-from kit.engine.kv_groups import KVGroup, kv_groups, layer_windows
+from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables, StepBlocks
+from kit.engine.kv_cache import KVCacheLayout
+from kit.engine.kv_groups import KVCacheGroup
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class TableSteps:
     """Chapter 02's per-step block tables for one sequence of a batch."""
 
     model: str
-    groups: tuple[KVGroup, ...]
+    groups: tuple[KVCacheGroup, ...]
     block_size: int
     num_blocks: int
     prompt_lens: tuple[int, ...]
@@ -45,7 +46,7 @@ class TableSteps:
                 for s in self.steps for g in range(len(self.groups))]
 
 
-def default_prompt_len(groups: tuple[KVGroup, ...], block_size: int) -> int:
+def default_prompt_len(groups: tuple[KVCacheGroup, ...], block_size: int) -> int:
     """The smallest window plus a block less one token (its first block goes back at the
     first decode step), or two blocks when no layer has a window."""
     windows = [g.window for g in groups if g.window is not None]
@@ -58,12 +59,12 @@ def _record(tables: GroupedBlockTables, step: int, watched: StepBlocks) -> Table
                      tables.num_free_blocks)
 
 
-def blocks_needed(groups: tuple[KVGroup, ...], block_size: int, prompts: tuple[int, ...],
-                  decode_steps: int) -> int:
+def pool_without_hand_back(layout: KVCacheLayout, prompts: tuple[int, ...],
+                           decode_steps: int) -> int:
     """A pool just large enough for the batch with no block handed back, the null block
     counted: small, so the figure's free count moves visibly."""
-    per_seq = [-(-(n + decode_steps) // block_size) for n in prompts]
-    return len(groups) * sum(per_seq) + 1
+    per_seq = [layout.blocks_for(n + decode_steps) for n in prompts]
+    return len(layout.groups) * sum(per_seq) + 1
 
 
 def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = None,
@@ -72,14 +73,16 @@ def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = Non
     """Prefill `batch_size` prompts (`prompt_len`, then 7 tokens shorter each; default: just
     past the smallest window), then `decode_steps` decode steps for all (default: enough for
     the watched sequence's window to drop three blocks); returns sequence 0's tables after
-    each step. `num_blocks` defaults to `blocks_needed`. For a model without windows, try
-    `kv_groups.with_layer_pattern(arch, full_every, sliding_window)`."""
-    groups = kv_groups(layer_windows(arch) or (None,) * arch.num_hidden_layers)
+    each step, in `arch`'s KV cache at `block_size` (`KVCacheLayout`). `num_blocks` defaults to
+    `pool_without_hand_back`. For a model without windows, try
+    `kit.config.with_layer_pattern(arch, full_every, sliding_window)`."""
+    layout = KVCacheLayout.for_model(arch, block_size, "bfloat16")  # bytes play no part here
+    groups = layout.groups
     prompt_len = prompt_len or default_prompt_len(groups, block_size)
     decode_steps = 2 * block_size + 1 if decode_steps is None else decode_steps
     prompts = tuple(max(1, prompt_len - 7 * i) for i in range(batch_size))
-    num_blocks = num_blocks or blocks_needed(groups, block_size, prompts, decode_steps)
-    tables = GroupedBlockTables(num_blocks, block_size, groups)
+    num_blocks = num_blocks or pool_without_hand_back(layout, prompts, decode_steps)
+    tables = GroupedBlockTables(num_blocks, groups)
     watched = [tables.allocate_slots(seq, n) for seq, n in enumerate(prompts)][0]
     steps = [_record(tables, 0, watched)]
     for step in range(1, decode_steps + 1):

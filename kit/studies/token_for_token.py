@@ -18,7 +18,7 @@ import torch
 from kit.config import TOLERANCE, Settings
 from kit.engine.checkpoint import write_checkpoint
 from kit.engine.decode import batch_for_run, generate, make_prompts, prompt_lengths
-from kit.engine.kv_cache import KVCacheSpec
+from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.vllm.greedy import greedy_from_checkpoint
 from kit.vllm.model_folder import MODELS_CACHE, cached_model_folder
@@ -134,9 +134,8 @@ def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], st
     arch = replace(settings.arch, checkpoint=str(folder))
     model = build_model(arch, settings.dtype, "cpu", settings.seed)
     lengths = [len(p) for p in prompts]
-    spec = KVCacheSpec.for_model(arch, BLOCK_SIZE, settings.dtype)
-    return generate(model, batch_for_run(spec, lengths, steps, settings.dtype, "cpu"), prompts,
-                    steps)
+    layout = KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype)
+    return generate(model, batch_for_run(layout, lengths, steps, "cpu"), prompts, steps)
 
 
 def compare_tokens(settings: Settings, dtype: str | None = None) -> TokenComparison:

@@ -1,6 +1,6 @@
 """Chapter 05: the kit's numbers beside the real vLLM's, for the same config and KV budget.
 
-- KV blocks: the kit's arithmetic (`kit.engine.kv_cache`) against vLLM's own KV cache code
+- KV blocks: the kit's KV cache config (`kit.engine.kv_cache`) against vLLM's own KV cache code
   (`kit.vllm.kv_sizing.vllm_kv_sizing`, no engine) for any model, budget, block size and
   cache dtype; and against a started engine for the chapter's model.
 - Decode step time and end to end: the kit's decode loop (`KitTurns`, chapter 04's paged
@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kit.config import ModelConfig, load
-from kit.engine.decode import (blocks_needed, check_against_reference, decode_inputs,
-                               decode_spec, generate, kv_cache_for, prompt_lengths)
-from kit.engine.kv_cache import device_label, size_for_settings
+from kit.engine.decode import (check_against_reference, decode_inputs, generate, peak_blocks,
+                               prompt_lengths)
+from kit.engine.kv_cache import KVCacheConfig, KVCacheLayout, allocate, config_for_settings
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.engine.decode_runners import SharedPrefill, warm_up
@@ -62,20 +62,21 @@ class KVAgreement:
                 "agree": self.agree}
 
 
-def kit_kv_sizing(settings, budget_bytes: int):
-    """The kit's sizing for `settings` (model, block size, cache dtype, TP, max_model_len) at
-    `budget_bytes`; a ConfigError's message when the kit refuses, as vLLM would."""
+def kit_kv_config(layout: KVCacheLayout, settings, budget_bytes: int) -> KVCacheConfig | str:
+    """The kit's KV cache config for `settings` (max_model_len, device, batched tokens) in
+    `layout` at `budget_bytes`; a ConfigError's message when the kit refuses, as vLLM would."""
     try:
-        return size_for_settings(settings, budget_bytes)
+        return config_for_settings(layout, settings, budget_bytes)
     except ConfigError as e:
         return str(e)
 
 
-def kv_agreement(settings, budget_bytes: int, sizer: VLLMSizer | None = None) -> KVAgreement:
-    """The kit's blocks and log line beside vLLM's for one configuration (no engine): vLLM's
-    sizing of the specs its model builds from the kit's config.json, by `sizer` when given
-    (built for these settings), else built here."""
-    kit_side = kit_kv_sizing(settings, budget_bytes)
+def kv_agreement(layout: KVCacheLayout, settings, budget_bytes: int,
+                 sizer: VLLMSizer | None = None) -> KVAgreement:
+    """The kit's blocks and log line (its cache `layout` for `settings`) beside vLLM's for one
+    configuration (no engine): vLLM's sizing of the specs its model builds from the kit's
+    config.json, by `sizer` when given (built for these settings), else built here."""
+    kit_side = kit_kv_config(layout, settings, budget_bytes)
     if sizer is not None:
         vllm_side = sizer.size(budget_bytes, settings.max_model_len,
                                settings.max_num_batched_tokens)
@@ -98,7 +99,8 @@ def kv_agreement(settings, budget_bytes: int, sizer: VLLMSizer | None = None) ->
 def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
                    tensor_parallel_sizes=(1,), max_model_len: int = 2048) -> list[KVAgreement]:
     """`kv_agreement` for every combination (each model's max_model_len capped at its own),
-    vLLM's model built once per model, block size, cache dtype and TP size (`VLLMSizer`)."""
+    the kit's layout and vLLM's model built once per model, block size, cache dtype and TP
+    size (`VLLMSizer`)."""
     out = []
     with tempfile.TemporaryDirectory(prefix="kit-vllm-grid-") as tmp:
         for model, block_size, cache_dtype, tp in itertools.product(
@@ -108,7 +110,8 @@ def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
                             kv_cache_dtype=cache_dtype, tensor_parallel_size=tp,
                             max_model_len=min(max_model_len, arch.max_position_embeddings))
             sizer = sizer_or_none(settings, Path(tmp))
-            out += [kv_agreement(settings, parse_bytes(b), sizer) for b in budgets]
+            layout = KVCacheLayout.for_settings(settings)
+            out += [kv_agreement(layout, settings, parse_bytes(b), sizer) for b in budgets]
     return out
 
 
@@ -127,9 +130,9 @@ def sizer_or_none(settings, folder: Path) -> VLLMSizer | None:
         return None
 
 
-def engine_agreement(settings, budget_bytes: int, run) -> dict:
-    """The kit's sizing beside what a started engine (`EngineRun`) decided."""
-    kit_side = kit_kv_sizing(settings, budget_bytes)
+def engine_agreement(kit_side: KVCacheConfig | str, run) -> dict:
+    """The kit's KV cache config (or its refusal) beside what a started engine (`EngineRun`)
+    decided."""
     ok = not isinstance(kit_side, str) and run.ok
     return {**Count.of({"kit_blocks": kit_side.num_blocks if ok else None,
                         "vllm_blocks": run.num_blocks}),
@@ -191,13 +194,12 @@ class KitTurns:
     reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
     never raised (it runs inside vLLM's loop)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, layout: KVCacheLayout):
         self.settings, self.steps = settings, settings.output_len - 1
         lens = prompt_lengths(settings.batch_size, settings.input_len)
         self.model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-        kv_cache = kv_cache_for(settings, blocks_needed(lens, self.steps, settings.block_size,
-                                                        decode_spec(settings).groups))
-        self.batch, self.prompts = decode_inputs(settings, kv_cache)
+        kv_cache = allocate(layout, peak_blocks(layout, lens, self.steps), settings.device)
+        self.batch, self.prompts = decode_inputs(settings, layout, kv_cache)
         self.shared_prefill = SharedPrefill(self.model, self.batch, self.prompts)
         self.decodes: dict[str, KitDecode] = {}
         self.mode = self.runner = self.prefill = None
@@ -247,14 +249,14 @@ class KitTurns:
         self.shared_prefill.discard()
 
 
-def side_by_side(settings, folder: Path, progress=print,
+def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print,
                  modes=MODES) -> tuple[dict[str, KitDecode], dict[str, EngineRun]]:
-    """For each mode: the kit's strategy warmed up, then vLLM started in that mode, and after
+    """For each mode: the kit's strategy (decoding in the run's KV cache, `layout`) warmed up, then vLLM started in that mode, and after
     each of its generations (the warm-up's included) the kit runs one: both sides timed in the
     same minutes, so a busy neighbour slows both alike. Each engine is shut down before the
     next starts; its start-up log is saved in `folder`. Where vLLM does not start, the kit
     still times its generations alone."""
-    kit = KitTurns(settings)
+    kit = KitTurns(settings, layout)
     repeats = max(2, -(-DECODE_STEPS // max(1, kit.steps)))
     runs = {}
     try:
@@ -284,7 +286,7 @@ def side_by_side(settings, folder: Path, progress=print,
 # The chapter's tables
 # ---------------------------------------------------------------------------------------------
 
-def kv_rows(kit_sizing, runs: dict) -> list[dict]:
+def kv_rows(kit_config: KVCacheConfig, runs: dict) -> list[dict]:
     """KV blocks, tokens, concurrency and bytes: the kit beside each started engine."""
     quantities = [("KV blocks", "num_blocks", "num_blocks"),
                   ("KV tokens (vLLM's 'KV cache size')", "num_tokens", "num_tokens"),
@@ -293,7 +295,8 @@ def kv_rows(kit_sizing, runs: dict) -> list[dict]:
                   ("block size (tokens)", None, "block_size")]
     rows = []
     for label, kit_attr, run_attr in quantities:
-        kit_value = kit_sizing.spec.block_size if kit_attr is None else getattr(kit_sizing, kit_attr)
+        kit_value = kit_config.layout.block_size if kit_attr is None \
+            else getattr(kit_config, kit_attr)
         row = {"quantity": label, "kit": kit_value}
         row.update({f"vLLM {mode}": getattr(run, run_attr) for mode, run in runs.items()})
         rows.append(row)

@@ -3,8 +3,11 @@ decode, chapters 04 and 05).
 
 Attention is one method, `Attention.attend`. Without `AttentionMetadata` it is plain causal
 attention within each sequence. With it, the layer first writes its keys and values into the
-paged cache at `slot_mapping`; a prefill then attends as before, a decode step reads every
-sequence's keys and values back through its block table (`block_tables`, `context_lens`).
+paged cache at its group's `slot_mapping`; a prefill then attends as before, a decode step reads
+every sequence's keys and values back through its group's block table (`block_tables`,
+`context_lens`). Which group and which of the cache's tensors are a layer's comes from the run's
+KV cache layout, bound before the first paged forward (`Attention.bind_kv_cache`), as vLLM's
+runner binds each layer to its cache.
 Each layer holds its own scale, window and soft cap (`kit.engine.layers.scores`) as plain
 numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's query and key
 (`q_norm`, `k_norm`) before RoPE.
@@ -18,7 +21,6 @@ import torch
 from torch import nn
 
 from kit.config import ModelConfig
-from kit.engine.kv_groups import cache_place, model_groups
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import NORMS
 from kit.engine.layers.rotary import apply_rope
@@ -28,21 +30,20 @@ from kit.engine.layers.scores import prefill_attention, soft_cap
 class AttentionMetadata(NamedTuple):
     """Where a forward's keys and values go in the paged cache, and (decode) where to read them.
 
-    kv_cache:        [slices, 2, num_blocks, block_size, num_kv_heads, head_dim]: a slice per
-                     layer (`engine.kv_cache.allocate`), or vLLM's layout, a slice per place
-                     in the widest KV cache group (`allocate_shared`)
-    slot_mapping:    [tokens] flat slot (block × block_size + offset) of each token's K and V,
-                     or [groups, tokens]: each KV cache group's slots
-    block_tables:    [num_seqs, max_blocks] block ids per sequence, padded, or [groups,
-                     num_seqs, max_blocks]: one table per KV cache group; None for a prefill
+    kv_cache:        [slices, 2, num_blocks, block_size, num_kv_heads, head_dim]: vLLM's
+                     layout, a slice per place in the widest KV cache group
+                     (`kit.engine.kv_cache.allocate`)
+    slot_mapping:    [groups, tokens]: each KV cache group's flat slot (block × block_size +
+                     offset) of each token's K and V
+    block_tables:    [groups, num_seqs, max_blocks]: one table of block ids per KV cache group
+                     and sequence, padded; None for a prefill
     context_lens:    [num_seqs] tokens each sequence attends to (its new token included)
     max_context_len: positions a decode step reads per sequence, fixed for the batch (its
                      longest context, `attention_span`); None: the table's whole width
 
     A NamedTuple, so torch.compile traces it without guarding on Python state but the one int,
     which stays the same for a batch (vLLM's attention metadata carries `max_seq_len` too).
-    A cache in vLLM's layout needs the per-group slots and tables: layers of different groups
-    share its slices, and only their block ids keep them apart.
+    Layers of different groups share the cache's slices: only their block ids keep them apart.
     """
 
     kv_cache: torch.Tensor
@@ -52,16 +53,17 @@ class AttentionMetadata(NamedTuple):
     max_context_len: int | None = None
 
 
-def write_kv(kv_cache: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots.
+    """Store one layer's new keys and values ([tokens, kv_heads, head_dim]) at their slots of
+    its slice of the cache.
 
-    One `index_put_` on the whole cache, indexed by (layer, K or V, block, offset): compiled,
+    One `index_put_` on the whole cache, indexed by (slice, K or V, block, offset): compiled,
     that is an in-place scatter of just these rows. Written through a view instead (one
     layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
     block_size = kv_cache.shape[3]
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    layer = torch.full_like(slot_mapping, layer_idx)
+    layer = torch.full_like(slot_mapping, cache_slice)
     kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
     kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
                          torch.cat([offset, offset])), torch.cat([k, v]))
@@ -101,9 +103,9 @@ def attention_span(longest_context: int, table_positions: int) -> int:
 
 
 def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Σ over positions of weights [seqs, kv_heads, group, len] × values [seqs, len, kv_heads,
-    dim] -> [seqs, kv_heads, group, dim], as summed products in float32, by VALUE_CHUNKs of
-    positions where the length divides into them."""
+    """Σ over positions of weights [seqs, kv_heads, per_kv_head, len] × values [seqs, len,
+    kv_heads, dim] -> [seqs, kv_heads, per_kv_head, dim], as summed products in float32, by
+    VALUE_CHUNKs of positions where the length divides into them."""
     num_seqs, length, kv_heads, head_dim = v.shape
     v = v.permute(0, 2, 1, 3)[:, :, None].float()  # [seqs, kv_heads, 1, len, dim]
     if length % VALUE_CHUNK:
@@ -131,7 +133,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
-    length, group = max_context_len or width * block_size, q.shape[1] // kv_heads
+    length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
     blocks = window_blocks(window, block_size, width)
     if blocks * block_size < length:  # a window narrower than the context: read only it
@@ -143,20 +145,21 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     if window is not None:
         visible = visible & (pos[:, :length] >= context_lens[:, None] - window)
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
-    # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, group, len, dim],
-    # which Inductor turns into one kernel that gathers through the table as it goes (faster
-    # than compiled matmuls; the README gives the times seen). `summed_attention` sums eagerly too.
+    # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, per_kv_head, len,
+    # dim] (the queries of one KV head side by side), which Inductor turns into one kernel that
+    # gathers through the table as it goes (faster than compiled matmuls; the README gives the
+    # times seen). `summed_attention` sums eagerly too.
     summed = summed_form()
     if summed:
-        qg = q.view(num_seqs, kv_heads, group, 1, head_dim).float()
+        qg = q.view(num_seqs, kv_heads, per_kv_head, 1, head_dim).float()
         scores = (qg * k.permute(0, 2, 1, 3)[:, :, None].float()).sum(-1)
-    else:  # queries of one KV head side by side: [seqs, kv_heads, group, head_dim]
-        scores = torch.matmul(q.view(num_seqs, kv_heads, group, head_dim),
+    else:
+        scores = torch.matmul(q.view(num_seqs, kv_heads, per_kv_head, head_dim),
                               k.permute(0, 2, 3, 1)).float()
     scores = scores * (scale or head_dim ** -0.5)
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))  # [s, kvh, g, len]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     weights = scores.softmax(-1)
     if summed:
         out = weighted_values(weights, v)
@@ -190,9 +193,10 @@ def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window
 class Attention(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.layer_idx, self.num_layers = layer_idx, arch.num_hidden_layers
-        # its KV cache group (whose block table it reads) and its slice of a shared cache
-        self.kv_group, self.shared_slice = cache_place(model_groups(arch), layer_idx)
+        self.layer_idx = layer_idx
+        # its KV cache group (whose block table it reads) and its slice of the cache: set from
+        # the run's layout by `bind_kv_cache`
+        self.kv_group = self.cache_slice = None
         self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
         self.head_dim = arch.head_dim
         # per layer, plain numbers: compiled code sees constants
@@ -221,15 +225,10 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
-    def cache_index(self, kv_cache: torch.Tensor) -> int:
-        """This layer's slice: its own in a cache of a slice per layer, else its place in its
-        group (vLLM's layout). Decided by the cache's shape, a constant when compiled."""
-        return self.layer_idx if kv_cache.shape[0] == self.num_layers else self.shared_slice
-
-    def of_group(self, t: torch.Tensor, per_group_dims: int) -> torch.Tensor:
-        """This layer's group's row of a per-group tensor (`per_group_dims` dimensions), or
-        `t` itself when it serves every layer."""
-        return t[self.kv_group] if t.dim() == per_group_dims else t
+    def bind_kv_cache(self, layout) -> None:
+        """Take this layer's KV cache group and cache slice from `layout` (a
+        `kit.engine.kv_cache.KVCacheLayout`): plain numbers, constants to compiled code."""
+        self.kv_group, self.cache_slice = layout.place(self.layer_idx)
 
     def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
         """Causal attention within each of `num_seqs` equal-length sequences, over the layer's
@@ -237,11 +236,13 @@ class Attention(nn.Module):
         cache, and a decode step (one token per sequence, `meta.block_tables` given) reads its
         context back from there."""
         if meta is not None:
-            index = self.cache_index(meta.kv_cache)
-            write_kv(meta.kv_cache, index, k, v, self.of_group(meta.slot_mapping, 2))
+            if self.kv_group is None:
+                raise RuntimeError("the model's layers have no KV cache: call "
+                                   "model.bind_kv_cache(layout) before a paged forward")
+            write_kv(meta.kv_cache, self.cache_slice, k, v, meta.slot_mapping[self.kv_group])
             if meta.block_tables is not None:
-                return paged_decode_attention(q, meta.kv_cache[index],
-                                              self.of_group(meta.block_tables, 3),
+                return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
+                                              meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap)
 

@@ -1,7 +1,9 @@
-"""Block tables per KV cache group (chapter 02): vLLM 0.32's `KVCacheManager` with prefix
-caching off, for models whose layers attend differently. No torch here.
+"""The block manager (chapters 02, 04, 05): vLLM 0.32's `KVCacheManager` with prefix caching
+off, one block table per KV cache group for each sequence. No torch here.
 
-One pool of block ids serves every group (`kv_groups`). Block 0 is vLLM's null block: never
+A sequence of n tokens holds ceil(n / block_size) blocks in each group's table; a block belongs
+to one sequence at a time; blocks handed back go to the pool. One pool of block ids serves every
+group (`kit.engine.kv_groups`). Block 0 is vLLM's null block: never
 handed out, it stands in a table where a block was handed back (`BlockPool.null_block`). Each
 sequence has one table per group; a layer finds token `position` of a sequence in its group's
 table, as in chapter 02's single table.
@@ -27,10 +29,13 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from kit.engine.block_table import OutOfBlocks
-from kit.engine.kv_groups import KVGroup
+from kit.engine.kv_groups import KVCacheGroup
 
 NULL_BLOCK = 0  # vLLM's null block: reserved, fills the table entries handed back
+
+
+class OutOfBlocks(RuntimeError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -66,23 +71,18 @@ class FreeBlockQueue:
         self._queue.extendleft(reversed([b for b in blocks if b != NULL_BLOCK]))
 
 
-def skipped_tokens(group: KVGroup, num_computed_tokens: int) -> int:
-    """Tokens the next token's attention skips (`get_num_skipped_tokens`): none for full
-    attention, all but the last window − 1 computed ones for a window."""
-    if group.window is None:
-        return 0
-    return max(0, num_computed_tokens - group.window + 1)
-
-
 class GroupedBlockTables:
     """One pool of `num_blocks` block ids (block 0 the null block) and, for each sequence, one
-    block table per KV cache group: vLLM's `KVCacheManager.allocate_slots` and `free`."""
+    block table per KV cache group (`groups`, a layout's: their specs give the block size and
+    what each group forgets): vLLM's `KVCacheManager.allocate_slots` and `free`."""
 
-    def __init__(self, num_blocks: int, block_size: int, groups: tuple[KVGroup, ...]):
-        if num_blocks < 2 or block_size < 1 or not groups:
-            raise ValueError("need num_blocks >= 2 (one is the null block), block_size >= 1 "
-                             "and at least one group")
-        self.num_blocks, self.block_size, self.groups = num_blocks, block_size, tuple(groups)
+    def __init__(self, num_blocks: int, groups: tuple[KVCacheGroup, ...]):
+        if num_blocks < 2 or not groups:
+            raise ValueError("need num_blocks >= 2 (one is the null block) and at least one group")
+        sizes = {g.spec.block_size for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"the groups' blocks differ in size ({sorted(sizes)})")
+        self.num_blocks, self.block_size, self.groups = num_blocks, sizes.pop(), tuple(groups)
         self.pool = FreeBlockQueue(num_blocks)
         self.tables: dict[int, tuple[list[int], ...]] = {}
         self.num_computed_tokens: dict[int, int] = {}
@@ -104,7 +104,7 @@ class GroupedBlockTables:
         computed = self.num_computed_tokens[seq_id]
         freed_per_group = []
         for group, table in zip(self.groups, self.tables[seq_id]):
-            skipped = min(skipped_tokens(group, computed) // self.block_size, len(table))
+            skipped = min(group.spec.num_skipped_tokens(computed) // self.block_size, len(table))
             freed = []
             for i in range(skipped - 1, -1, -1):
                 if table[i] == NULL_BLOCK:

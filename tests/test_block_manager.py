@@ -1,5 +1,5 @@
-"""Block tables per KV cache group (chapter 02), step by step against vLLM 0.32's own
-`KVCacheManager` (prefix caching off): the same block ids in every group's table, null-block
+"""The block manager (chapters 02, 04, 05): block tables per KV cache group, their invariants,
+and step by step against vLLM 0.32's own `KVCacheManager` (prefix caching off): the same block ids in every group's table, null-block
 entries included, and the same free count after every call. Nothing of vLLM's is copied: its
 groups come from its `get_kv_cache_groups` on one spec per layer, its requests are `Request`s.
 The torch-free properties run without vLLM."""
@@ -9,15 +9,20 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kit.config import ModelConfig
-from kit.engine.block_table import OutOfBlocks
-from kit.engine.group_tables import NULL_BLOCK, GroupedBlockTables
-from kit.engine.kv_groups import kv_groups
+from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables, OutOfBlocks
+from kit.engine.kv_groups import kv_cache_groups
+from kit.engine.kv_specs import attention_specs
 from kit.vllm.installed import vllm_missing
 
 GEMMA3 = (7,) * 5 + (None,)           # 5 sliding : 1 full
 GEMMA2 = (10, None) * 3               # alternating
 MISTRAL = (6,) * 6                    # all sliding
 FULL = (None,) * 4
+
+
+def groups_of(windows, block_size: int):
+    """The KV cache groups of layers with these windows (None: full attention)."""
+    return kv_cache_groups(attention_specs(windows, block_size, 1, 8, 2))
 
 
 def invariants(t: GroupedBlockTables):
@@ -44,7 +49,7 @@ ops = st.lists(st.tuples(st.sampled_from(["step", "step", "free"]), st.integers(
 @given(windows=st.sampled_from([GEMMA3, GEMMA2, MISTRAL, FULL]), num_blocks=st.integers(2, 80),
        block_size=st.sampled_from([1, 2, 4, 16]), ops=ops)
 def test_tables_properties(windows, num_blocks, block_size, ops):
-    t = GroupedBlockTables(num_blocks, block_size, kv_groups(windows))
+    t = GroupedBlockTables(num_blocks, groups_of(windows, block_size))
     for op, seq, n in ops:
         free_before = t.num_free_blocks
         try:
@@ -62,7 +67,7 @@ def test_tables_properties(windows, num_blocks, block_size, ops):
 
 def test_a_window_hands_back_what_falls_out_of_it():
     """Window 7, blocks of 4: after c tokens, blocks wholly below c - 6 go back."""
-    t = GroupedBlockTables(40, 4, kv_groups(GEMMA3))
+    t = GroupedBlockTables(40, groups_of(GEMMA3, 4))
     t.allocate_slots(0, 10)
     assert t.tables[0][0] == [1, 2, 3] and t.tables[0][5] == [16, 17, 18]
     step = t.allocate_slots(0, 1)  # 10 computed: tokens 0-3 skipped
@@ -79,11 +84,35 @@ def test_a_window_hands_back_what_falls_out_of_it():
 
 
 def test_full_attention_is_one_table_as_before():
-    t = GroupedBlockTables(10, 4, kv_groups(FULL))
+    t = GroupedBlockTables(10, groups_of(FULL, 4))
     t.allocate_slots(0, 9)
     assert t.tables[0] == ([1, 2, 3],)
     assert [t.slot(0, p, 0) for p in (0, 8)] == [4, 12]
     assert t.allocate_slots(0, 1).freed == ((),)
+
+
+def test_slots_follow_the_block_table():
+    t = GroupedBlockTables(9, groups_of(FULL, 4))
+    t.allocate_slots(0, 3)
+    t.allocate_slots(1, 5)
+    assert t.tables == {0: ([1],), 1: ([2, 3],)}
+    assert [t.slot(1, p, 0) for p in range(5)] == [8, 9, 10, 11, 12]
+    assert t.allocate_slots(0, 1).new == ((),)
+    assert t.allocate_slots(0, 1).new == ((4,),)  # position 4 opens a block
+    assert t.slot(0, 4, 0) == 16
+
+
+def test_out_of_blocks_says_how_many_are_missing_and_takes_nothing():
+    t = GroupedBlockTables(5, groups_of(FULL, 16))  # 4 usable beside the null block
+    with pytest.raises(OutOfBlocks, match="need 5 blocks, 4 free: 1 missing"):
+        t.allocate_slots(0, 65)
+    assert t.num_free_blocks == 4 and 0 not in t.tables
+
+
+def test_groups_must_share_one_block_size():
+    specs = attention_specs((None, 4), 16, 1, 8, 2)[:1] + attention_specs((4,), 32, 1, 8, 2)
+    with pytest.raises(ValueError, match="blocks differ in size"):
+        GroupedBlockTables(10, kv_cache_groups(specs))
 
 
 def test_chapter_steps_show_the_window_handing_back_blocks():
@@ -157,7 +186,7 @@ class Pair:
 
     def __init__(self, windows, block_size: int, num_blocks: int):
         self.vllm, groups = vllm_manager(windows, block_size, num_blocks)
-        self.kit = GroupedBlockTables(num_blocks, block_size, kv_groups(windows))
+        self.kit = GroupedBlockTables(num_blocks, groups_of(windows, block_size))
         assert vllm_group_layers(groups) == [(g.layers, g.window) for g in self.kit.groups]
         self.requests, self.log = {}, []
 

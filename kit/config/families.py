@@ -1,0 +1,206 @@
+"""The model families the decoder builds, and how a config.json is read: what each family is
+made of (`Parts`), its transformers defaults, the keys read, inert or refused, each layer's
+attention kind and RoPE. Plain data and checks: no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kit.errors import ConfigError
+
+# Where a decoder layer's norms sit (`Parts.layer`) -> their names in checkpoints.
+LAYER_NORMS = {
+    "pre_norm": ("input_layernorm", "post_attention_layernorm"),  # before attention, before MLP
+    # Gemma 2 and 3: around attention and around the MLP, each output normed before it is added
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+}
+# A layer's attention kind, as config.json's `layer_types` names it: a full layer attends to
+# every earlier position, a sliding one to the last `sliding_window` (itself included).
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a family's decoder is built from besides its sizes: `kit.engine.model` assembles it
+    from the parts named here (kit/engine/layers). Plain data (no torch), so validation, the
+    parameter count and the checkpoint layout read it too. A new trait is a field here, its
+    default what the other families do, and a part there."""
+
+    architecture: str               # config.json's "architectures" entry
+    attention_bias: bool = False    # Q, K and V biases, unless config.json says otherwise
+    tie_word_embeddings: bool = False  # the LM head is the embedding, unless config.json says
+    norm: str = "rms"               # a kind in kit.engine.layers.norm.NORMS
+    layer: str = "pre_norm"         # where a layer's norms sit (LAYER_NORMS)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
+    gelu: str = "gelu"              # the activation config.json's "gelu" stands for
+    qk_norm: bool = False           # each head's query and key normed before RoPE (q_norm, k_norm)
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        return LAYER_NORMS[self.layer]
+
+
+# model_type in config.json -> what the decoder is built from.
+FAMILIES = {
+    "llama": Parts("LlamaForCausalLM"),
+    "mistral": Parts("MistralForCausalLM"),
+    "qwen2": Parts("Qwen2ForCausalLM", attention_bias=True),
+    # Gemma's "gelu" is the tanh approximation, what Gemma actually runs (vLLM does the same)
+    "gemma": Parts("GemmaForCausalLM", norm="gemma_rms", scale_embeddings=True,
+                   gelu="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "qwen3": Parts("Qwen3ForCausalLM", qk_norm=True),
+    "gemma2": Parts("Gemma2ForCausalLM", norm="gemma_rms", layer="sandwich",
+                    scale_embeddings=True, gelu="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gemma3_text": Parts("Gemma3ForCausalLM", norm="gemma_rms", layer="sandwich",
+                         scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
+                         tie_word_embeddings=True),
+}
+# What each family's transformers config class assumes for a key config.json leaves out, where
+# that differs from the kit's plain reading (vLLM reads configs through those classes too):
+# a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
+# slides over 4,096 tokens.
+CONFIG_DEFAULTS = {
+    "gemma": {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+              "max_position_embeddings": 8192},
+    "gemma2": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3_text": {"head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "max_position_embeddings": 131_072, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096},
+    "mistral": {"sliding_window": 4096, "max_position_embeddings": 131_072},
+    "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28,
+              "max_position_embeddings": 32_768},
+}
+# Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
+GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+
+
+def with_family_defaults(hf: dict, family: str) -> dict:
+    """`hf` with its family's transformers defaults for the keys it leaves out."""
+    defaults = dict(CONFIG_DEFAULTS.get(family, {}))
+    if family == "gemma3_text" and "rope_parameters" not in hf:
+        defaults.update(GEMMA3_ROPE)
+    return {**defaults, **hf}
+
+
+# Kinds of model the decoder does not build, refused before any work by what they need.
+OUT_OF_REACH = {
+    "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
+    "mixture of experts": ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "dbrx", "olmoe",
+                           "granitemoe", "llama4", "llama4_text", "jamba"),
+    "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
+                                               "bamba", "nemotron_h", "zamba2", "lfm2"),
+}
+# config.json keys that never change a forward pass's arithmetic (token ids, training-only
+# settings, bookkeeping); every other key is read (`ModelConfig.from_dict`) or refused by name.
+INERT_KEYS = {
+    "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
+    "initializer_range", "use_cache", "transformers_version", "attention_dropout",
+    "_name_or_path", "torch_dtype", "dtype", "cache_implementation", "output_attentions",
+    "output_hidden_states", "return_dict", "tie_word_embeddings", "id2label", "label2id",
+    "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+    "_sliding_window_pattern",  # Gemma 3's class keeps sliding_window_pattern under this name
+}
+# Keys the decoder honours only at the values listed (what every family it builds uses).
+FIXED_KEYS = {"mlp_bias": (False,), "pretraining_tp": (1,), "partial_rotary_factor": (1, 1.0),
+              "use_bidirectional_attention": (False, None)}
+# The keys `ModelConfig.from_dict` reads.
+READ_KEYS = {
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_parameters", "rope_scaling", "rope_local_base_freq", "hidden_act",
+    "hidden_activation", "attention_bias", "layer_types", "sliding_window", "use_sliding_window",
+    "max_window_layers", "sliding_window_pattern", "query_pre_attn_scalar",
+    "attn_logit_softcapping", "final_logit_softcapping",
+}
+ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
+
+
+def check_family(family, name: str) -> None:
+    """A model_type the decoder builds; kinds it cannot build refused by what they need."""
+    if family in FAMILIES:
+        return
+    need = next((what for what, types in OUT_OF_REACH.items() if family in types), None)
+    raise ConfigError(
+        f"model {name!r}: model_type {family!r} is not supported"
+        f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
+        f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP, grouped-query "
+        "attention over full or sliding windows.")
+
+
+def check_keys(hf: dict, name: str) -> None:
+    """Every key of config.json is read, inert or at the one value the decoder builds; any
+    other is refused by name (a key ignored would run a model the user did not give)."""
+    unknown = sorted(k for k in hf if k not in READ_KEYS | INERT_KEYS | set(FIXED_KEYS))
+    fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
+                   not in FIXED_KEYS[k])
+    if unknown or fixed:
+        raise ConfigError(
+            f"model {name!r}: config.json has " + "; ".join(
+                [f"keys the kit's decoder does not build: {unknown}"] * bool(unknown)
+                + [f"settings it builds only at their defaults: {fixed}"] * bool(fixed))
+            + ". The kit refuses rather than run a different model from the one given.")
+
+
+def layer_types(hf: dict, family: str, name: str) -> tuple:
+    """Each layer's attention kind: config.json's `layer_types`, else what the family's
+    config class derives (Gemma 2 alternates from a sliding first layer, Gemma 3 has every
+    `sliding_window_pattern`-th layer full, Qwen's windows start at `max_window_layers`,
+    Mistral's `sliding_window` covers every layer)."""
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    kinds = hf.get("layer_types")
+    if kinds is None and family == "gemma2":
+        kinds = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    elif kinds is None and family == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern") or 6
+        kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    elif kinds is None and family in ("qwen2", "qwen3"):
+        first = hf.get("max_window_layers", n) if hf.get("use_sliding_window") and window else n
+        kinds = [SLIDING if i >= first else FULL for i in range(n)]
+    elif kinds is None:
+        kinds = [SLIDING if window else FULL] * n
+    kinds = tuple(kinds)
+    if len(kinds) != n or set(kinds) - {FULL, SLIDING}:
+        raise ConfigError(f"model {name!r}: layer_types must name {FULL!r} or {SLIDING!r} for "
+                          f"each of the {n} layers; it has {list(kinds)}")
+    if SLIDING in kinds and not (isinstance(window, int) and window > 0):
+        raise ConfigError(f"model {name!r}: sliding layers need a positive whole "
+                          f"sliding_window; config.json has {window!r}")
+    return kinds
+
+
+def rope(hf: dict, name: str) -> tuple[float, float | None, tuple]:
+    """RoPE's base for full layers, for sliding ones (None: the same) and Llama 3's scaling.
+    transformers 5 writes `rope_parameters`, one dict or one per attention kind (Gemma 3);
+    4.x wrote `rope_theta`, `rope_local_base_freq` and `rope_scaling`."""
+    params = hf.get("rope_parameters") or {}
+    full, local = (params.get(FULL, {}), params.get(SLIDING, {})) if FULL in params \
+        else (params, {})
+    theta = hf.get("rope_theta") or full.get("rope_theta") or 10000.0
+    local_theta = hf.get("rope_local_base_freq") or local.get("rope_theta")
+    if local and (local.get("rope_type") or "default") != "default":
+        raise ConfigError(f"model {name!r}: rope scaling {local.get('rope_type')!r} on sliding "
+                          "layers is not supported")
+    return theta, local_theta, rope_scaling(hf.get("rope_scaling") or full, name)
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                    "original_max_position_embeddings")
+
+
+def rope_scaling(params: dict, name: str) -> tuple:
+    """Llama 3's RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) as
+    (key, value) pairs, () for none; every other kind refused, since ignoring it would give
+    a real checkpoint wrong logits."""
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return ()
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
+    if kind != "llama3" or missing:
+        raise ConfigError(f"model {name!r}: rope scaling {kind!r} "
+                          f"{'lacks ' + str(missing) if kind == 'llama3' else 'is not supported'}"
+                          "; the kit's RoPE covers none and Llama 3's ('llama3')")
+    return tuple((k, params[k]) for k in LLAMA3_ROPE_KEYS)
+

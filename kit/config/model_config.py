@@ -1,0 +1,243 @@
+"""The decoder's architecture, read from a Hugging Face style config.json (`ModelConfig`), and
+the checkpoint folder's weight files beside it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kit.config.data import MODELS_DIR, known_names
+from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
+                                 check_keys, layer_types, rope, with_family_defaults)
+from kit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's architecture, read from a Hugging Face style config.json."""
+
+    name: str
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
+    rope_scaling: tuple = ()       # Llama 3's RoPE scaling as (key, value) pairs; () for none
+    layer_types: tuple = ()        # each layer's attention kind (FULL or SLIDING); (): all full
+    sliding_window: int | None = None          # positions a SLIDING layer sees
+    rope_local_base_freq: float | None = None  # RoPE base of SLIDING layers (Gemma 3); None: same
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim
+    attn_logit_softcapping: float | None = None  # scores become cap·tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+
+    @classmethod
+    def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
+        family = hf.get("model_type")
+        check_family(family, name)
+        check_keys(hf, name)
+        hf = with_family_defaults(hf, family)
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if k not in hf]
+        if missing:
+            raise ConfigError(f"model {name!r}: config.json lacks {missing}")
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ConfigError(f"model {name!r}: num_attention_heads={heads} is not a multiple "
+                              f"of num_key_value_heads={kv_heads}")
+        act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+        if act == "gelu":
+            act = FAMILIES[family].gelu
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
+        kinds = layer_types(hf, family, name)
+        theta, local_theta, scaling = rope(hf, name)
+        return cls(
+            name=name, family=family,
+            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            hidden_act=act, tie_word_embeddings=hf.get("tie_word_embeddings",
+                                                          FAMILIES[family].tie_word_embeddings),
+            attention_bias=hf.get("attention_bias", FAMILIES[family].attention_bias),
+            # transformers 5 writes `dtype` and `rope_parameters` where 4.x wrote
+            # `torch_dtype` and `rope_theta`
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
+            checkpoint=checkpoint, rope_scaling=scaling, layer_types=kinds,
+            sliding_window=hf.get("sliding_window") if SLIDING in kinds else None,
+            rope_local_base_freq=local_theta if SLIDING in kinds else None,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+        )
+
+    @classmethod
+    def load(cls, model: str) -> "ModelConfig":
+        """`model` is a preset name (a file under data/models/), a path to a config.json
+        (random weights), or a checkpoint folder: its config.json, and its weights when it
+        holds `*.safetensors` (see `checkpoint_files`)."""
+        path, checkpoint = Path(model), None
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"model folder {model!r} holds no config.json; a checkpoint "
+                                  "folder needs config.json beside its *.safetensors")
+            checkpoint = str(path.resolve()) if checkpoint_files(path) else None
+            path = path / "config.json"
+        if not path.is_file():
+            path = MODELS_DIR / f"{model}.json"
+        if not path.is_file():
+            raise ConfigError(f"unknown model {model!r}: give one of {known_names(MODELS_DIR)} "
+                              "or the path of a Hugging Face style config.json")
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return cls.from_dict(json.loads(path.read_text()), name, checkpoint)
+
+    @property
+    def parts(self) -> Parts:
+        """What the decoder is built from (`FAMILIES`)."""
+        return FAMILIES[self.family]
+
+    def attention_kind(self, layer: int) -> str:
+        """FULL or SLIDING: what layer `layer` attends to."""
+        return self.layer_types[layer] if self.layer_types else FULL
+
+    def window(self, layer: int) -> int | None:
+        """Positions layer `layer` sees (the newest included); None: all of them."""
+        return self.sliding_window if self.attention_kind(layer) == SLIDING else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """The RoPE base of layer `layer` (Gemma 3's sliding layers have their own)."""
+        return self.rope_local_base_freq or self.rope_theta if self.window(layer) \
+            else self.rope_theta
+
+    @property
+    def attention_scale(self) -> float:
+        """What the scores q·k are multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_weights(self) -> int:
+        """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
+            self.num_key_value_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    def linear_weights(self) -> int:
+        """Elements of every matrix a token is multiplied by: every layer's, and the LM head
+        (the embedding table itself when tied)."""
+        return self.num_hidden_layers * self.layer_weights() + self.vocab_size * self.hidden_size
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (the model's real count must equal it): the
+        matrices, the attention biases, every norm, and the input embedding when untied."""
+        h = self.hidden_size
+        bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
+            if self.attention_bias else 0
+        embed = 0 if self.tie_word_embeddings else self.vocab_size * h
+        norms = len(self.parts.layer_norms) * h + 2 * self.head_dim * self.parts.qk_norm
+        return self.linear_weights() + embed + self.num_hidden_layers * (bias + norms) + h
+
+    def hf_dict(self) -> dict:
+        """The config.json that vLLM or transformers would read for this architecture."""
+        return {
+            "architectures": [self.parts.architecture], "model_type": self.family,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "hidden_act": self.hidden_act, "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+            **({"rope_scaling": {"rope_type": "llama3", **dict(self.rope_scaling)}}
+               if self.rope_scaling else {}),
+            **self.attention_keys(),
+        }
+
+    def attention_keys(self) -> dict:
+        """config.json's keys for what sets attention apart from plain causal attention, as
+        the family's published configs write them (vLLM and transformers read these). Where a
+        family's config class has a default of its own (Gemma 2's caps and 256 for
+        query_pre_attn_scalar, Mistral's window of 4096, Gemma 3's local RoPE base of 10000),
+        the key is written even when unset (null), so that both read the kit's model."""
+        keys = {k: getattr(self, k) for k in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                                               "final_logit_softcapping") if getattr(self, k)}
+        if self.family.startswith("gemma"):  # Gemma's classes read hidden_activation
+            keys["hidden_activation"] = self.hidden_act
+        if self.family in ("gemma2", "gemma3_text"):
+            keys.update(query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                        attn_logit_softcapping=self.attn_logit_softcapping,
+                        final_logit_softcapping=self.final_logit_softcapping,
+                        sliding_window=self.sliding_window, layer_types=list(self.layer_types))
+        if self.family == "gemma3_text":
+            keys["rope_local_base_freq"] = self.rope_local_base_freq or self.rope_theta
+        if self.family == "mistral":  # its class holds no layer_types: every layer or none
+            keys["sliding_window"] = self.sliding_window
+        elif self.sliding_window:
+            keys["sliding_window"] = self.sliding_window
+            keys["layer_types"] = list(self.layer_types)
+            if self.family in ("qwen2", "qwen3"):  # their configs' own switch for windows
+                keys["use_sliding_window"] = True
+                keys["max_window_layers"] = self.layer_types.index(SLIDING)
+        if self.rope_local_base_freq:
+            keys["rope_local_base_freq"] = self.rope_local_base_freq
+        return keys
+
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: the shards its model.safetensors.index.json
+    names, else model.safetensors, else every *.safetensors; [] when it holds no weights
+    (config.json alone). Pickle weights are refused: loading them runs code from the file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{index} is not an index of shards (a JSON object with a "
+                              f"weight_map): {e!r}") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ConfigError(f"{index} names shards that are not in the folder: {missing}")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():  # beside it may sit other formats' files
+        return [folder / "model.safetensors"]  # (Mistral's consolidated.safetensors)
+    files = sorted(folder.glob("*.safetensors"))
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not files and pickles:
+        raise ConfigError(
+            f"model folder {str(folder)!r} holds only pickle weights {pickles}; the kit reads "
+            "safetensors only (a pickle runs code when loaded). Convert them once, where you "
+            "trust the files: AutoModelForCausalLM.from_pretrained(folder)"
+            ".save_pretrained(new_folder) writes model.safetensors (transformers' default).")
+    return files
+
+
+def with_layer_pattern(arch: ModelConfig, full_every: int | None,
+                       sliding_window: int | None = None) -> ModelConfig:
+    """`arch` with every `full_every`-th layer full attention and the others sliding over
+    `sliding_window` tokens (its own window when None); `full_every` 0 keeps its layers."""
+    if full_every == 0:
+        return arch
+    window = sliding_window or arch.sliding_window or 4096
+    kinds = tuple(FULL if full_every and (i + 1) % full_every == 0 else SLIDING
+                  for i in range(arch.num_hidden_layers))
+    if SLIDING not in kinds:
+        return replace(arch, layer_types=(), sliding_window=None)
+    return replace(arch, layer_types=kinds, sliding_window=window)

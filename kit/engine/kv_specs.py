@@ -1,0 +1,118 @@
+"""What one layer keeps in the KV cache (chapter 02): a spec per layer, as vLLM 0.32's
+`vllm/v1/kv_cache_interface.py` has them. No torch here.
+
+Every spec answers the same questions, in vLLM's names:
+
+    page_size_bytes            one layer's block: what one block id costs in this layer
+    max_memory_usage_bytes     what one request of max_model_len tokens reserves in this layer
+    num_skipped_tokens         tokens the next token no longer sees (their blocks can go back)
+    bytes_per_token            what the layer stores for each token it keeps
+    tokens_read                cached tokens a decode step reads for a context of n tokens
+
+A kind of layer is one class here (full attention, a sliding window today; vLLM also has
+chunked local attention, latent attention, Mamba states and layers sharing another's cache):
+the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the block tables
+(`kit.engine.group_tables`) and the roofline ask the spec, never the model config.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's cache, paged in blocks of `block_size` tokens (vLLM's `KVCacheSpec`)."""
+
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One block of this layer: block_size tokens."""
+        return self.block_size * self.bytes_per_token
+
+    def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        raise NotImplementedError
+
+    def blocks_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
+        """Block ids one request of max_model_len tokens reserves in this layer's group."""
+        return math.ceil(self.max_memory_usage_bytes(max_model_len, in_flight_tokens)
+                         / self.page_size_bytes)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens the next token's attention skips: none, unless the layer forgets."""
+        return 0
+
+    def tokens_read(self, context_len: int) -> int:
+        """Tokens a decode step attends to, of a context of `context_len` (its new one in)."""
+        return context_len
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """A layer that keeps a key and a value per KV head for every token (vLLM's
+    `AttentionSpec`): 2 × num_kv_heads × head_size × dtype bytes a token."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Attends to every earlier token: a request reserves blocks for max_model_len tokens."""
+
+    sliding_window = None
+
+    def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        return math.ceil(max_model_len / self.block_size) * self.page_size_bytes
+
+    def describe(self) -> str:
+        return "full attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Attends to the last `sliding_window` tokens (itself included). A request reserves what a
+    step can still attend to plus what it writes, min(W − 1 + in-flight tokens,
+    max_model_len), in blocks, and one block more for a window that straddles a block edge
+    (`SlidingWindowSpec.max_memory_usage_bytes`); `in_flight_tokens` is
+    max_num_batched_tokens per step in flight (`kit.engine.kv_cache.in_flight_tokens`)."""
+
+    sliding_window: int
+
+    def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        if in_flight_tokens < 1:
+            raise ValueError("a sliding window's reservation needs in_flight_tokens")
+        tokens = min(self.sliding_window - 1 + in_flight_tokens, max_model_len)
+        return (math.ceil(tokens / self.block_size) + 1) * self.page_size_bytes
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """All but the last window − 1 computed tokens (`get_num_skipped_tokens`)."""
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def tokens_read(self, context_len: int) -> int:
+        return min(context_len, self.sliding_window)
+
+    def describe(self) -> str:
+        return f"window {self.sliding_window:,}"
+
+
+def attention_specs(windows, block_size: int, num_kv_heads: int, head_size: int,
+                    dtype_bytes: int) -> tuple[AttentionSpec, ...]:
+    """A spec per layer, for layers whose windows are `windows` (None: full attention)."""
+    shape = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_size,
+             "dtype_bytes": dtype_bytes}
+    return tuple(FullAttentionSpec(**shape) if w is None else
+                 SlidingWindowSpec(**shape, sliding_window=w) for w in windows)
