@@ -136,8 +136,8 @@ def test_chapter_steps_show_the_window_handing_back_blocks():
 
 
 def test_chapter_figure_and_table_draw_what_the_steps_hold():
-    from kit.show.plots import group_tables_steps
-    from kit.show.tables import group_steps_table
+    from kit.show.kv_cache_plots import group_tables_steps
+    from kit.show.kv_cache_tables import group_steps_table
     from kit.studies.table_steps import table_steps
     result = table_steps(ModelConfig.load("gemma-2-2b"), 32, prompt_len=4200, decode_steps=40)
     fig = group_tables_steps(result)

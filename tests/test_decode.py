@@ -18,7 +18,8 @@ from kit.engine.model import build_model
 from kit.errors import ConfigError
 from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
 from kit.measure.step_breakdown import GEMM, SAMPLING, break_down_steps
-from kit.studies.decode_timing import check_request, early_fit, run_decode
+from kit.engine.decode_fit import check_request, early_fit
+from kit.studies.decode_timing import run_decode
 
 
 def arch(heads, kv_heads, family="llama", **extra):

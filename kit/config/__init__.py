@@ -23,4 +23,4 @@ __all__ = ["DATA", "DEFAULT_PRESET", "DTYPE_ALIASES", "DTYPE_BYTES", "FAMILIES",
            "READ_KEYS", "SLIDING", "STRATEGIES", "TOLERANCE", "ModelConfig", "Parts", "Settings",
            "available_strategies", "check_kv_cache_dtype", "check_tensor_parallel",
            "checkpoint_files", "known_names", "load", "notebook_settings", "read_preset",
-           "reference", "resolve_device"]
+           "reference", "resolve_device", "with_layer_pattern"]

@@ -8,7 +8,7 @@ import ipywidgets as w
 from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
-from kit.show.plots import kv_calculator as calculator_figure
+from kit.show.kv_cache_plots import kv_calculator as calculator_figure
 from kit.units import GiB
 
 

@@ -20,24 +20,22 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, reference
-from kit.engine.budget import kv_budget, weights_budget
-from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, check_capacity,
-                               decode_inputs, generate, prompt_lengths)
+from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, decode_inputs,
+                               generate)
+from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import summed_attention
-from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, build_model, weights_bytes
-from kit.errors import ConfigError
-from kit.measure.device import capacity_bytes, cpu_kind, describe, versions
+from kit.measure.device import cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings
-from kit.units import (Bytes, Count, FlopPerSecond, GiB, Number, Percent, Ratio, Seconds,
-                       TokensPerSecond, fmt_flops)
+from kit.units import (Count, FlopPerSecond, Number, Percent, Ratio, Seconds, TokensPerSecond,
+                       fmt_flops)
 
 BREAKDOWN_STEPS = 3  # per strategy, after the timed runs, to split a step into its parts
 RESAMPLE_SECONDS = 0.5  # the copy measured again after each round of timed runs
@@ -199,79 +197,6 @@ def time_eager_summed(model: Decoder, batch: PagedBatch, prompts: list[torch.Ten
     timing.prefills.append(run.prefill_seconds)
     if first:
         timing.correctness = check_against_reference(model, prompts, run, dtype)
-
-
-# --- checking the request before anything heavy ---------------------------------------------
-
-@dataclass
-class CacheFit:
-    """What a decode run will hold in the KV cache, and the budget it must fit in."""
-
-    prompt_lens: list[int]
-    steps: int
-    block_size: int
-    blocks_needed: int
-    budget_bytes: int
-    budget_source: str
-    budget_blocks: int
-
-    def summary(self) -> dict:
-        return {**Count.of(self.__dict__), "budget_bytes": Bytes(self.budget_bytes)}
-
-
-def check_request(settings: Settings, layout: KVCacheLayout) -> None:
-    """Refuse what the paged decode cannot run in the run's KV cache (`layout`), with what to
-    change."""
-    if settings.output_len < 2:
-        raise ConfigError(f"output_len={settings.output_len}: the prefill makes the first token, "
-                          "so timing decode steps needs output_len of 2 or more")
-    if settings.tensor_parallel_size != 1:
-        raise ConfigError(f"tensor_parallel_size={settings.tensor_parallel_size}: the kit's "
-                          "decode runs on one device; use 1")
-    if layout.cache_dtype != settings.dtype:
-        raise ConfigError(f"kv_cache_dtype={settings.kv_cache_dtype!r}: the kit's decode stores "
-                          f"keys and values in the model's dtype ({settings.dtype}); use 'auto'")
-
-
-def fit_in_cache(settings: Settings, layout: KVCacheLayout, budget_bytes: int,
-                 budget_source: str) -> CacheFit:
-    """The run's blocks in its KV cache (`layout`) against `budget_bytes`; refuses, naming the
-    missing blocks, when the tokens do not fit."""
-    lengths = prompt_lengths(settings.batch_size, settings.input_len)
-    steps = settings.output_len - 1
-    budget_blocks = max(0, budget_bytes) // layout.bytes_per_block
-    need = check_capacity(layout, lengths, steps, budget_blocks,
-                          f"{budget_source} ({budget_bytes / GiB:,.2f} GiB)")
-    return CacheFit(lengths, steps, layout.block_size, need, budget_bytes, budget_source,
-                    budget_blocks)
-
-
-def early_fit(settings: Settings, layout: KVCacheLayout) -> CacheFit:
-    """Before loading anything: the request checked (`check_request`), then the exact fit when
-    kv_cache_memory_bytes is given, else one against the most the cache could ever get
-    (capacity × utilization − weights)."""
-    check_request(settings, layout)
-    if settings.kv_cache_memory_bytes is not None:
-        return fit_in_cache(settings, layout, settings.kv_cache_memory_bytes,
-                            "kv_cache_memory_bytes")
-    most = weights_budget(settings.arch, settings.dtype,
-                          capacity_bytes(settings.device, settings.device_memory),
-                          settings.gpu_memory_utilization).kv_cache_bytes
-    return fit_in_cache(settings, layout, most, "capacity × gpu_memory_utilization − weights")
-
-
-def decode_budget(settings: Settings, model: Decoder,
-                  recorded: dict | None = None) -> tuple[int, str]:
-    """`kv_budget` with chapter 01's eager profile of `model`: read from chapter 01's record
-    (`recorded`) when it holds one for the same settings, else measured now (only when no
-    kv_cache_memory_bytes is given)."""
-    left = None
-    if settings.kv_cache_memory_bytes is None:
-        left = recorded_eager_kv_bytes(settings, recorded)
-        if left is None:
-            with torch.inference_mode():
-                left = profile_run(model, settings, "eager", weights_bytes(model)).kv_cache_bytes
-    return kv_budget(settings, "eager", left)
 
 
 # --- the whole measurement --------------------------------------------------------------------

@@ -111,11 +111,6 @@ def size_with_specs(vllm_config, specs: dict, budget_bytes: int) -> VLLMKVSizing
                         groups=vllm_groups(vllm_config, sched))
 
 
-def size_with_vllm_config(vllm_config, budget_bytes: int) -> VLLMKVSizing:
-    """`size_with_specs` on the specs vLLM's model builds for `vllm_config` (`model_kv_specs`)."""
-    return size_with_specs(vllm_config, model_kv_specs(vllm_config), budget_bytes)
-
-
 def _missing(block_size: int, error: str) -> VLLMKVSizing:
     return VLLMKVSizing(None, block_size, None, None, None, None, error=error)
 
