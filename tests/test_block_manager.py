@@ -119,7 +119,7 @@ def test_chapter_steps_show_the_window_handing_back_blocks():
     """Gemma-3-1B's shape (window 512, 6 window groups and 1 full), blocks of 32: the watched
     sequence's window groups hand back one block at steps 1, 33 and 65, and the block a window
     hands back is the next one taken; the full group keeps every block."""
-    from kit.studies.table_steps import table_steps
+    from kit.studies.block_tables_by_step import table_steps
     result = table_steps(ModelConfig.load("gemma-3-1b"), 32)
     assert [g.window for g in result.groups] == [512] * 6 + [None]
     freed = {s.step for s in result.steps if any(s.freed)}
@@ -138,7 +138,7 @@ def test_chapter_steps_show_the_window_handing_back_blocks():
 def test_chapter_figure_and_table_draw_what_the_steps_hold():
     from kit.show.kv_cache_plots import group_tables_steps
     from kit.show.kv_cache_tables import group_steps_table
-    from kit.studies.table_steps import table_steps
+    from kit.studies.block_tables_by_step import table_steps
     result = table_steps(ModelConfig.load("gemma-2-2b"), 32, prompt_len=4200, decode_steps=40)
     fig = group_tables_steps(result)
     maps = [t for t in fig.data if t.type == "heatmap"]

@@ -10,7 +10,7 @@ import torch
 import kit
 from kit.cli.main import main
 from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
-from kit.engine.decode import (batch_for_run, check_against_reference, generate, make_prompts,
+from kit.engine.decode import (batch_for_run, check_against_no_cache, generate, make_prompts,
                                new_batch, peak_blocks, prefill_function, step_function)
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.kv_specs import attention_specs
@@ -56,7 +56,7 @@ def paged_run(a, dtype, lengths=LENGTHS, steps=STEPS, spare_blocks=3, block_size
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_paged_decode_equals_the_no_cache_reference(key, dtype):
     model, prompts, batch, run = paged_run(ARCHS[key], dtype)
-    result = check_against_reference(model, prompts, run, dtype)
+    result = check_against_no_cache(model, prompts, run, dtype)
     assert len(result.errors) == STEPS + 1
     assert result.ok, result.errors
     assert result.token_agreement > 0.9
@@ -88,7 +88,7 @@ def test_sliding_groups_hand_back_blocks_that_leave_their_window(key):
     full = 1 + at_end * len(spec.groups)  # none handed back
     model, prompts, batch, run = paged_run(a, "float32", spare_blocks=0)
     assert batch.kv_cache.shape[:3] == (spec.group_size, 2, need)  # vLLM's layout, no spare
-    assert check_against_reference(model, prompts, run, "float32").max_error < 1e-5
+    assert check_against_no_cache(model, prompts, run, "float32").max_error < 1e-5
     assert 1 + max(batch.held) == need < full and len(batch.held) == len(set(LENGTHS)) + STEPS
     sliding = [g for g, group in enumerate(spec.groups) if group.window is not None]
     for g, group in enumerate(spec.groups):
@@ -127,7 +127,7 @@ def test_a_wrong_context_length_is_caught():
     def short(input_ids, positions, block_tables, kv_cache):
         return good(input_ids, positions - 1, block_tables, kv_cache)
     broken = generate(model, batch, prompts, STEPS, step=short)
-    assert not check_against_reference(model, prompts, broken, "float32").ok
+    assert not check_against_no_cache(model, prompts, broken, "float32").ok
 
 
 def test_stale_blocks_do_not_leak_into_a_new_run():
@@ -277,7 +277,7 @@ def test_the_compiled_step_equals_the_reference_too(key):
         runner = make_runner(step_function(model), "guard_free", "cpu", batch.step_args(),
                              dynamic_dims={}, inductor_config=CPU_FREEZING)
     run = generate(model, batch, prompts, STEPS, step=runner)
-    result = check_against_reference(model, prompts, run, "float32")
+    result = check_against_no_cache(model, prompts, run, "float32")
     runner.discard()
     assert result.max_error < 1e-5, result.errors
     assert runner.graphs_compiled == 1
@@ -317,7 +317,7 @@ def test_a_batch_reads_its_span_not_its_whole_table():
     runs["compiled"] = generate(model, batch, prompts, steps, step=runner)
     runner.discard()
     for name, run in runs.items():
-        result = check_against_reference(model, prompts, run, "float32")
+        result = check_against_no_cache(model, prompts, run, "float32")
         assert result.max_error < 1e-5, (name, result.errors)
 
 
@@ -369,7 +369,7 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     assert "mkldnn::_linear_pointwise" in names and "mkl::_mkl_linear" not in names, names
     run = generate(model, batch, prompts, STEPS, step=runner)
     runner.discard()
-    result = check_against_reference(model, prompts, run, dtype)
+    result = check_against_no_cache(model, prompts, run, dtype)
     assert result.ok, result.errors
 
 
@@ -385,7 +385,7 @@ def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner():
     runner = decode_runner(model, batch, prompts, "guard_free")
     run = generate(model, batch, prompts, STEPS, step=runner)
     runner.discard()
-    result = check_against_reference(model, prompts, run, "bfloat16")
+    result = check_against_no_cache(model, prompts, run, "bfloat16")
     assert result.ok, result.errors
 
 
@@ -401,7 +401,7 @@ def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
     runner = decode_runner(model, batch, prompts, "guard_free", prefill)
     run = generate(model, batch, prompts, STEPS, step=runner, prefill=prefill)
     assert len(set(LENGTHS)) == 4 and prefill.graphs_compiled == 1
-    result = check_against_reference(model, prompts, run, "float32")
+    result = check_against_no_cache(model, prompts, run, "float32")
     assert result.ok and result.errors[0] < 1e-4, result.errors
 
 
@@ -409,7 +409,7 @@ EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run
 from torch.profiler import profile
-from kit.engine.decode import check_against_reference, generate
+from kit.engine.decode import check_against_no_cache, generate
 from kit.engine.decode_runners import compiled_matmul_dtype, decode_runner
 model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
 runner = decode_runner(model, batch, prompts, "guard_free")
@@ -418,7 +418,7 @@ with profile() as prof:
 run = generate(model, batch, prompts, STEPS, step=runner)
 print(json.dumps({"matmul_dtype": str(compiled_matmul_dtype(model, "cpu")),
                   "events": sorted({e.key for e in prof.key_averages()}),
-                  "ok": check_against_reference(model, prompts, run, "bfloat16").ok}))
+                  "ok": check_against_no_cache(model, prompts, run, "bfloat16").ok}))
 """
 
 

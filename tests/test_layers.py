@@ -135,3 +135,28 @@ def test_importing_the_real_vllms_home_imports_no_vllm_and_sets_no_environment()
             f"import {', '.join(modules)}\n"
             "print(dict(os.environ) == before, 'vllm' in sys.modules)")
     assert len(modules) >= 5 and fresh_python(code) == "True False"
+
+
+def test_no_public_name_is_defined_in_two_modules():
+    """One name, one meaning: no public function or class of the kit is defined at the top of
+    two modules, outside kit.show and kit.pages (which draw one result several ways). `add_cli`
+    is the one protocol: each command's module gives `kit.cli.main` its subcommand by it."""
+    where: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        if name.split(".")[1:2] in (["show"], ["pages"]):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(name)
+    twice = {n: ms for n, ms in where.items() if len(ms) > 1 and n != "add_cli"}
+    assert not twice, f"public names defined in more than one module: {twice}"
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_every_module_is_short():
+    """One concept per module, readable in one sitting: none over MAX_MODULE_LINES lines."""
+    long = {name: n for name, path in MODULES.items()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -5,7 +5,7 @@ from kit.config import load
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes, physical_memory_bytes
 from kit.measure.memory import probe_measurement
-from kit.engine.memory_profile import check_fits, no_kv_cache_message, profile_memory
+from kit.engine.profile_run import check_fits, no_kv_cache_message, profile_memory
 from kit.units import GiB
 
 
@@ -100,7 +100,7 @@ def test_c_level_stderr_is_captured_for_one_block_and_handed_back():
     import subprocess
     import sys
     code = ("import os\n"
-            "from kit.measure.fd2 import fd2_captured\n"
+            "from kit.measure.fd_capture import fd2_captured\n"
             "os.write(2, b'before\\n')\n"
             "lines = []\n"
             "try:\n"

@@ -157,7 +157,7 @@ def test_saving_a_run_chapter_gives_back_the_stored_file(path):
     """What JupyterLab sends when a learner saves a chapter they ran (outputs, counts, run
     metadata, widget state, their Python's version), through `kit lab`'s pre-save hook and
     jupyter_server's writer: the stored file, byte for byte (git shows nothing)."""
-    from kit.execute.stored import pre_save_hook
+    from kit.execute.stored_notebooks import pre_save_hook
     nb = json.loads(path.read_text())
     nb["metadata"]["language_info"]["version"] = "3.11.7"
     nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}

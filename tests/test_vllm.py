@@ -26,9 +26,8 @@ from kit.studies.vllm_side_by_side import (agreement_grid, engine_agreement, kit
 from kit.vllm.engine_runs import run_engine, run_settings
 from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.installed import vllm_missing
-from kit.vllm.kv_sizing import vllm_kv_sizing_for_folder
+from kit.vllm.kv_sizing import VLLMSizer, vllm_kv_sizing_for_folder
 from kit.vllm.model_folder import write_model_folder
-from kit.vllm.sizer import VLLMSizer
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(vllm_missing() is not None, reason=str(vllm_missing()))]

@@ -68,11 +68,11 @@ def addresses(ip: str, port: int, token: str) -> list[str]:
 def lab_command(ip: str, port: int, token: str, open_browser: bool,
                 root: Path = NOTEBOOKS_DIR) -> list[str]:
     """JupyterLab's command line; a chapter saved from it is saved stripped of its outputs
-    (`kit.execute.stored.pre_save_hook`), so running and saving never changes the file."""
+    (`kit.execute.stored_notebooks.pre_save_hook`), so running and saving never changes the file."""
     cmd = [sys.executable, "-m", "jupyterlab", f"--ip={ip}", f"--port={port}",
            "--port-retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}",
-           "--ContentsManager.pre_save_hook=kit.execute.stored.pre_save_hook",
+           "--ContentsManager.pre_save_hook=kit.execute.stored_notebooks.pre_save_hook",
            "--ServerApp.log_level=WARN", "--LabApp.log_level=WARN"]  # the address is printed here
     if not open_browser:
         cmd.append("--no-browser")

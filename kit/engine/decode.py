@@ -17,7 +17,7 @@ Python control flow on their values. So one compiled graph, or one CUDA graph, s
 The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
 CPU once for any number and length of prompts (`kit.engine.decode_runners`).
 
-Correctness first: `reference_logits` recomputes every step's logits over the whole sequence
+Correctness first: `no_cache_logits` recomputes every step's logits over the whole sequence
 without any cache, and every strategy's logits must equal them within a tolerance by dtype.
 """
 from __future__ import annotations
@@ -291,7 +291,7 @@ def batch_for_run(layout: KVCacheLayout, lengths: list[int], steps: int, device:
 
 
 @torch.no_grad()
-def reference_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+def no_cache_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
     """The logits a run must have produced for one sequence, recomputed without any cache: its
     prompt and the tokens fed back (`fed`, one per decode step) in one causal forward over the
     whole sequence; by causality position n - 1 + t holds step t's logits (step 0: the
@@ -327,14 +327,14 @@ class Correctness:
                 "errors": Number.of(self.errors)}
 
 
-def check_against_reference(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:
+def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:
     """Compare every step's logits of `run` with the no-cache reference, one sequence at a time
     (so only one sequence's reference logits are held at once)."""
     steps = len(run.step_seconds)
     diff = scale = torch.zeros(steps + 1)
     same = 0
     for i, prompt in enumerate(prompts):
-        ref = reference_logits(model, prompt, run.tokens[i, :steps])
+        ref = no_cache_logits(model, prompt, run.tokens[i, :steps])
         got = run.logits[:, i].float()
         diff = torch.maximum(diff, (got - ref).abs().amax(-1))
         scale = torch.maximum(scale, ref.abs().amax(-1))

@@ -12,7 +12,7 @@ from kit.config import Settings
 from kit.engine.budget import kv_budget, weights_budget
 from kit.engine.decode import check_capacity, prompt_lengths
 from kit.engine.kv_cache import KVCacheLayout
-from kit.engine.memory_profile import profile_run, recorded_eager_kv_bytes
+from kit.engine.profile_run import profile_run, recorded_eager_kv_bytes
 from kit.engine.model import Decoder, weights_bytes
 from kit.errors import ConfigError
 from kit.measure.device import capacity_bytes

@@ -21,7 +21,7 @@ from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.rotary import rope_cos_sin
-from kit.engine.layers.scores import soft_cap
+from kit.engine.layers.prefill_attention import soft_cap
 from kit.measure.device import torch_dtype
 
 

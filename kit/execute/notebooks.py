@@ -23,7 +23,7 @@ from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
 from kit.execute.progress import Progress
 from kit.execute.runlog import LOG_NAME, RunLog
-from kit.execute.stored import CHAPTER_GLOB
+from kit.execute.stored_notebooks import CHAPTER_GLOB
 from kit.results import RUN_DIR_ENV, new_run_dir, plain
 
 NOTEBOOKS_DIR = DATA.parent / "notebooks"
@@ -95,7 +95,7 @@ def execute(nb: Path, run: Path, parameters: dict, log: RunLog, progress: Progre
     `progress`); return its status (and failing cell) plus its recorded results."""
     import papermill
 
-    from kit.execute.watch import ENGINE_NAME, Watch
+    from kit.execute.papermill_engine import ENGINE_NAME, Watch
     out = run / nb.name
     t0 = time.perf_counter()
     status = {"notebook": nb.stem, "executed": str(out), "ok": True, "error": None}

@@ -1,7 +1,7 @@
 """torch.profiler without its C-level chatter: starting and stopping it prints
 `USDT: ... profiler_start` and `... profiler_stop` straight to file descriptor 2, which
 JupyterLab shows as an error-coloured box under the cell. `profiled(device)` silences the
-descriptor for those two moments only (`kit.measure.fd2`), so what the profiled code itself
+descriptor for those two moments only (`kit.measure.fd_capture`), so what the profiled code itself
 prints still shows."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 
 from torch.profiler import ProfilerActivity, profile
 
-from kit.measure.fd2 import fd2_captured
+from kit.measure.fd_capture import fd2_captured
 
 
 @contextlib.contextmanager

@@ -201,7 +201,7 @@ def mlp_probe_table(probe: dict, published_us: dict) -> Table:
 
 
 def compile_pr_table(comparison, ratios: dict, pr: dict) -> Table:
-    """Chapter 03's ratios (`pr_ratios`) and Dynamo figures beside the PR's."""
+    """Chapter 03's ratios (`plans_versus_pr`) and Dynamo figures beside the PR's."""
     r = comparison.results
     p3, p4, stock, free = (r["profile_eager"], r["profile_compiled_discard"], r["stock"],
                            r["guard_free"])

@@ -22,7 +22,7 @@ import torch
 from kit.config import TOLERANCE, Settings, reference
 from kit.engine.budget import requested_memory
 from kit.engine.kv_cache import KVCacheLayout, config_for_settings
-from kit.engine.memory_profile import check_fits, profile_batch, profile_run
+from kit.engine.profile_run import check_fits, profile_batch, profile_run
 from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
 from kit.engine.serving_trace import decode_batch_sizes
@@ -372,7 +372,7 @@ def overhead_target(comparison: Comparison, plan: str = "guard_free") -> dict:
             "met_best": res.overhead_best_fraction <= OVERHEAD_TARGET}
 
 
-def versus_pr(comparison: Comparison) -> dict:
+def plans_versus_pr(comparison: Comparison) -> dict:
     """The PR's ratios beside the measured ones: KV blocks of the PR's final plan over its
     first (4 ÷ 3), and the decode forward with the profiling compile discarded over kept
     (4 ÷ 2)."""

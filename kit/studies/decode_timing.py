@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, reference
-from kit.engine.decode import (Correctness, PagedBatch, check_against_reference, decode_inputs,
+from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache, decode_inputs,
                                generate)
 from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
@@ -156,7 +156,7 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             timings[name].runs.append(run.step_seconds)
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
-                timings[name].correctness = check_against_reference(model, prompts, run, dtype)
+                timings[name].correctness = check_against_no_cache(model, prompts, run, dtype)
         if after_round is not None:
             after_round()
     if breakdown_steps:
@@ -196,7 +196,7 @@ def time_eager_summed(model: Decoder, batch: PagedBatch, prompts: list[torch.Ten
     timing.runs.append(run.step_seconds)
     timing.prefills.append(run.prefill_seconds)
     if first:
-        timing.correctness = check_against_reference(model, prompts, run, dtype)
+        timing.correctness = check_against_no_cache(model, prompts, run, dtype)
 
 
 # --- the whole measurement --------------------------------------------------------------------
@@ -356,7 +356,7 @@ def check_mixed_lengths(settings: Settings, layout: KVCacheLayout, model: Decode
     are no longer than input_len, so they fit in the cache the timed runs use)."""
     batch, prompts = decode_inputs(settings, layout, kv_cache, mixed=True, seed_offset=1)
     run = generate(model, batch, prompts, settings.output_len - 1)
-    return batch.lengths, check_against_reference(model, prompts, run, settings.dtype)
+    return batch.lengths, check_against_no_cache(model, prompts, run, settings.dtype)
 
 
 def vllm_cpu_reference(settings: Settings) -> dict | None:
@@ -371,7 +371,7 @@ def vllm_cpu_reference(settings: Settings) -> dict | None:
                  and r["input_len"] == settings.input_len), None)
 
 
-def versus_pr(timings: dict[str, StrategyTiming]) -> dict:
+def steps_versus_pr(timings: dict[str, StrategyTiming]) -> dict:
     """Stock compile (guards checked on every call) over guard-free, per step and end to end,
     beside the PR's before ÷ after; empty unless both strategies ran."""
     if "stock" not in timings or "guard_free" not in timings:

@@ -1,4 +1,4 @@
-"""Chapter 01, memory profiling as vLLM does it (`kit.engine.memory_profile`: the profile run,
+"""Chapter 01, memory profiling as vLLM does it (`kit.engine.profile_run`: the profile run,
 eager and compiled): what each profile leaves the KV cache, in blocks, and the compiled
 profile against the eager one beside the numbers of vLLM #7796.
 """
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kit.config import ModelConfig, reference
 from kit.engine.kv_cache import KVCacheLayout
-from kit.engine.memory_profile import MemoryProfile
+from kit.engine.profile_run import MemoryProfile
 from kit.units import Bytes, Count, Fraction, Ratio, parse_bytes
 
 

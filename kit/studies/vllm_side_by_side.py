@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kit.config import ModelConfig, load
-from kit.engine.decode import (check_against_reference, decode_inputs, generate, peak_blocks,
+from kit.engine.decode import (check_against_no_cache, decode_inputs, generate, peak_blocks,
                                prompt_lengths)
 from kit.engine.kv_cache import KVCacheConfig, KVCacheLayout, allocate, config_for_settings
 from kit.engine.model import build_model
@@ -25,9 +25,8 @@ from kit.measure.timing import median_or_none
 from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
 from kit.vllm.installed import vllm_missing
-from kit.vllm.kv_sizing import VLLMKVSizing, vllm_kv_sizing
+from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer, vllm_kv_sizing
 from kit.vllm.model_folder import write_model_folder
-from kit.vllm.sizer import VLLMSizer
 from kit.units import Bytes, Count, Ratio, Seconds, parse_bytes, typed
 
 
@@ -229,7 +228,7 @@ class KitTurns:
             decode.prefills.append(run.prefill_seconds)
             decode.generations.append(run.prefill_seconds + sum(run.step_seconds))
             if first:
-                check = check_against_reference(self.model, self.prompts, run,
+                check = check_against_no_cache(self.model, self.prompts, run,
                                                 self.settings.dtype)
                 if not check.ok:
                     decode.error = (f"logits off the no-cache reference by "

@@ -216,7 +216,7 @@ def point_line(point: dict, total: int) -> str:
     return line + (f" · {point['error']}" if point.get("error") else "")
 
 
-def execute(folder: Path, sweep: dict, todo: list[dict], address: str | None, parallel: int,
+def run_points(folder: Path, sweep: dict, todo: list[dict], address: str | None, parallel: int,
             animate: bool) -> None:
     """Run the points of `todo` as Ray tasks, `parallel` at once; each finished point is
     unpacked, recorded in sweep.json and printed."""
@@ -287,7 +287,7 @@ def sweep(preset: str = DEFAULT_PRESET, names: list[str] = (), grid_pairs: list[
           f"on {address or 'a local Ray instance'}; folder {folder}", flush=True)
     try:
         if todo:
-            execute(folder, sweep_, todo, address, parallel, progress and sys.stdout.isatty())
+            run_points(folder, sweep_, todo, address, parallel, progress and sys.stdout.isatty())
     except KeyboardInterrupt:
         print(f"\nsweep: interrupted; run the rest with python -m kit sweep --resume {folder}")
         write_page(folder)

@@ -68,7 +68,7 @@ def point_name(index: int, params: dict) -> str:
     return f"{index:02d}-{name}"
 
 
-def describe(params: dict) -> str:
+def describe_point(params: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in params.items())
 
 
@@ -108,5 +108,5 @@ def check(preset: str, notebooks: list[Path], grid: dict[str, list], fixed: dict
         try:
             check_point(preset, {**fixed, **point}, remote)
         except ConfigError as e:
-            raise ConfigError(f"the point {describe(point)} is refused: {e}") from None
+            raise ConfigError(f"the point {describe_point(point)} is refused: {e}") from None
     return points

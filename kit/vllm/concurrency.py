@@ -1,7 +1,7 @@
 """The lesson of sliding windows measured through vLLM's own code (chapter 02's figure): maximum
 concurrency against max_model_len for a model as vLLM sizes it, beside the same model with every
 layer full attention. vLLM's config, its model's specs and its sizing functions answer both
-(`kit.vllm.sizer`); the kit's arithmetic is not used here."""
+(`kit.vllm.kv_sizing`); the kit's arithmetic is not used here."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kit.vllm.installed import vllm_missing
 from kit.vllm.log import fail_message
-from kit.vllm.sizer import VLLMSizer
+from kit.vllm.kv_sizing import VLLMSizer
 
 
 @dataclass

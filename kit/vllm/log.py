@@ -8,7 +8,7 @@ import logging
 import time
 import warnings
 
-from kit.measure.fd2 import fd2_captured
+from kit.measure.fd_capture import fd2_captured
 
 
 def fail_message(e: BaseException) -> str:

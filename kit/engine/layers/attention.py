@@ -8,7 +8,7 @@ every sequence's keys and values back through its group's block table (`block_ta
 `context_lens`). Which group and which of the cache's tensors are a layer's comes from the run's
 KV cache layout, bound before the first paged forward (`Attention.bind_kv_cache`), as vLLM's
 runner binds each layer to its cache.
-Each layer holds its own scale, window and soft cap (`kit.engine.layers.scores`) as plain
+Each layer holds its own scale, window and soft cap (`kit.engine.layers.prefill_attention`) as plain
 numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's query and key
 (`q_norm`, `k_norm`) before RoPE.
 """
@@ -24,7 +24,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import NORMS
 from kit.engine.layers.rotary import apply_rope
-from kit.engine.layers.scores import prefill_attention, soft_cap
+from kit.engine.layers.prefill_attention import prefill_attention, soft_cap
 
 
 class AttentionMetadata(NamedTuple):
