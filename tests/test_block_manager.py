@@ -1,8 +1,8 @@
 """The block manager (chapters 02, 04, 05): block tables per KV cache group, their invariants,
-and step by step against vLLM 0.32's own `KVCacheManager` (prefix caching off): the same block ids in every group's table, null-block
-entries included, and the same free count after every call. Nothing of vLLM's is copied: its
-groups come from its `get_kv_cache_groups` on one spec per layer, its requests are `Request`s.
-The torch-free properties run without vLLM."""
+and step by step against vLLM 0.32's own `KVCacheManager` (prefix caching off): the same block
+ids in every group's table, null-block entries included, and the same free count after every
+call. Nothing of vLLM's is copied: its groups come from its `get_kv_cache_groups` on one spec
+per layer, its requests are `Request`s. The torch-free properties run without vLLM."""
 import re
 
 import pytest

@@ -2,7 +2,8 @@
 gpu_memory_utilization (vLLM's requested memory), and what is left of it for the KV cache once
 the weights, the profiling run's peak activations and non-torch memory are counted. No torch.
 
-    KV cache bytes = capacity × gpu_memory_utilization − weights − peak activations − non-torch
+    KV cache bytes = capacity × gpu_memory_utilization − weights − peak activations
+                     − non-torch memory
 
 `kv_cache_memory_bytes`, when given, overrides all of it, as vLLM's option of that name does
 (`kv_budget`).

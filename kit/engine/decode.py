@@ -9,8 +9,8 @@ step feeds one token per sequence, and its attention reads keys and values back 
 group's table (`kit.engine.layers.attention.paged_decode_attention`). Before each step a
 sliding-window group hands back the blocks that left its window, as vLLM's sliding-window
 manager does, so a model with windows holds fewer blocks than full attention would
-(`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache.allocate`). The step is built to
-compile well: its inputs are the same tensors every step (token ids, positions, block tables,
+(`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache.allocate`). The step
+is built to compile well: its inputs are the same tensors every step (token ids, positions, block tables,
 the cache), updated in place, with shapes fixed by the batch size, the table's width and the
 positions its attention reads (the batch's longest context, `max_context_len`); there is no
 Python control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
@@ -95,7 +95,8 @@ def check_capacity(layout: KVCacheLayout, lengths: list[int], steps: int, num_bl
         raise ConfigError(
             f"the run needs {need:,} KV cache blocks ({len(lengths)} sequences of up to "
             f"{max(lengths) + steps:,} tokens, {layout.block_size} tokens per block, and vLLM's "
-            f"null block) but {budget_source} holds {num_blocks:,}: {need - num_blocks:,} blocks missing. Lower batch_size, "
+            f"null block) but {budget_source} holds {num_blocks:,}: {need - num_blocks:,} blocks "
+            "missing. Lower batch_size, "
             "input_len or output_len, or give the cache more memory (kv_cache_memory_bytes, "
             "gpu_memory_utilization, device_memory)")
     return need
@@ -344,9 +345,11 @@ def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str)
 
 
 def decode_inputs(settings: Settings, layout: KVCacheLayout, kv_cache: torch.Tensor,
-                  mixed: bool = False, seed_offset: int = 0) -> tuple[PagedBatch, list[torch.Tensor]]:
-    """The settings' batch on `kv_cache` (the run's `layout`): `batch_size` prompts of `input_len` tokens (or, with
-    `mixed`, of lengths between about half of it and all of it) drawn from the seed, and a
+                  mixed: bool = False,
+                  seed_offset: int = 0) -> tuple[PagedBatch, list[torch.Tensor]]:
+    """The settings' batch on `kv_cache` (the run's `layout`): `batch_size` prompts of
+    `input_len` tokens (or, with `mixed`, of lengths between about half of it and all of it)
+    drawn from the seed, and a
     batch with room for `output_len - 1` decode steps."""
     lengths = prompt_lengths(settings.batch_size, settings.input_len, mixed)
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed + seed_offset)

@@ -250,8 +250,9 @@ class KitTurns:
 
 def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print,
                  modes=MODES) -> tuple[dict[str, KitDecode], dict[str, EngineRun]]:
-    """For each mode: the kit's strategy (decoding in the run's KV cache, `layout`) warmed up, then vLLM started in that mode, and after
-    each of its generations (the warm-up's included) the kit runs one: both sides timed in the
+    """For each mode: the kit's strategy (decoding in the run's KV cache, `layout`) warmed up,
+    then vLLM started in that mode, and after each of its generations (the warm-up's included)
+    the kit runs one: both sides timed in the
     same minutes, so a busy neighbour slows both alike. Each engine is shut down before the
     next starts; its start-up log is saved in `folder`. Where vLLM does not start, the kit
     still times its generations alone."""
