@@ -12,7 +12,7 @@ Every spec answers the same questions, in vLLM's names:
 A kind of layer is one class here (full attention, a sliding window today; vLLM also has
 chunked local attention, latent attention, Mamba states and layers sharing another's cache):
 the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the block tables
-(`kit.engine.group_tables`) and the roofline ask the spec, never the model config.
+(`kit.engine.block_manager`) and the roofline ask the spec, never the model config.
 """
 from __future__ import annotations
 
