@@ -3,10 +3,10 @@ off, one block table per KV cache group for each sequence. No torch here.
 
 A sequence of n tokens holds ceil(n / block_size) blocks in each group's table; a block belongs
 to one sequence at a time; blocks handed back go to the pool. One pool of block ids serves every
-group (`kit.engine.kv_groups`). Block 0 is vLLM's null block: never
-handed out, it stands in a table where a block was handed back (`BlockPool.null_block`). Each
-sequence has one table per group; a layer finds token `position` of a sequence in its group's
-table, as in chapter 02's single table.
+group (`kit.engine.kv_groups`). Block 0 is vLLM's null block: never handed out, it stands in a
+table where a block was handed back (`BlockPool.null_block`). A layer finds token `position` of
+a sequence in its group's table: slot `position % block_size` of block
+`table[position // block_size]`.
 
 Each step (`allocate_slots`), before taking new blocks, a sliding-window group hands back the
 blocks that lie wholly before its window: after c computed tokens the next token sees the last

@@ -10,12 +10,13 @@ group's table (`kit.engine.layers.attention.paged_decode_attention`). Before eac
 sliding-window group hands back the blocks that left its window, as vLLM's sliding-window
 manager does, so a model with windows holds fewer blocks than full attention would
 (`PagedBatch.held`, per step). The cache is laid out as vLLM's (`kv_cache.allocate`). The step
-is built to compile well: its inputs are the same tensors every step (token ids, positions, block tables,
-the cache), updated in place, with shapes fixed by the batch size, the table's width and the
-positions its attention reads (the batch's longest context, `max_context_len`); there is no
-Python control flow on their values. So one compiled graph, or one CUDA graph, serves every step.
-The prefill is a function of tensors too (`prefill_function`): eager by default, compiled on the
-CPU once for any number and length of prompts (`kit.engine.decode_runners`).
+is built to compile well: its inputs are the same tensors every step (token ids, positions,
+block tables, the cache), updated in place, with shapes fixed by the batch size, the table's
+width and the positions its attention reads (the batch's longest context, `max_context_len`);
+there is no Python control flow on their values. So one compiled graph, or one CUDA graph,
+serves every step. The prefill is a function of tensors too (`prefill_function`): eager by
+default, compiled on the CPU once for any number and length of prompts
+(`kit.engine.decode_runners`).
 
 Correctness first: `no_cache_logits` recomputes every step's logits over the whole sequence
 without any cache, and every strategy's logits must equal them within a tolerance by dtype.

@@ -217,7 +217,7 @@ class DecodeReport:
     eager_summed: StrategyTiming | None  # the eager step with compiled code's attention form
     machine: dict = field(default_factory=dict)
     load_average: dict = field(default_factory=dict)
-    weights_bytes: int = 0              # the built model's parameter bytes, counted tensor by tensor
+    weights_bytes: int = 0              # the built model's parameters, counted tensor by tensor
 
     @property
     def floor_seconds(self) -> list[float]:
