@@ -1,0 +1,157 @@
+"""The measurements of `python -m kit validate` that no other command makes, each run in a child
+process of its own (`python -m kit.cli.validate_steps STEP FOLDER --preset P`), so that a crash,
+a hang or an out-of-memory error in one leaves the others' results standing, and the parent
+never opens a CUDA context. Each writes `<FOLDER>/<STEP>.json`: what it measured, and `held`,
+the claims it checked, each true or false.
+
+- `machine`: the device, the software, the compilers torch.compile needs.
+- `probe`: the exact-allocation probe (a tensor of N bytes must measure N bytes), and what the
+  process's first matrix product leaves allocated (cuBLAS's workspace, on a GPU: the reason
+  every profile warms it up first).
+- `profiles`: chapter 01's two profiles, eager and compiled, with their KV cache budgets.
+- `profiler_table`: one decode step per strategy under torch.profiler, its event table written
+  as rows (`kit.measure.step_breakdown`), so that the breakdown's classification can be checked
+  against a recorded table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from kit.config import load
+from kit.execute.notebooks import parse_params
+from kit.units import MiB
+
+
+def held(claim: str, ok: bool) -> dict:
+    return {"claim": claim, "ok": bool(ok)}
+
+
+def machine(settings) -> dict:
+    import torch
+
+    from kit.measure.device import describe, versions
+    compilers = {name: shutil.which(name) for name in ("cc", "gcc", "clang", "c++", "g++")}
+    out = {"machine": describe(settings.device), "versions": versions(), "compilers": compilers}
+    cuda = settings.device == "cuda"
+    if cuda:
+        out["capability"] = list(torch.cuda.get_device_capability())
+    out["held"] = [held("a C++ compiler is on PATH (Inductor's CPU kernels)",
+                        any(compilers[n] for n in ("c++", "g++", "clang")))]
+    if cuda:
+        out["held"].append(held("a C compiler is on PATH (Triton builds its launcher with it)",
+                                any(compilers[n] for n in ("cc", "gcc", "clang"))))
+    gpu = out["machine"]["gpu"]
+    out["notes"] = [f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+                    + (f", {gpu}, capability {out['capability']}" if gpu else ", no GPU")]
+    return out
+
+
+def first_gemm_bytes(device: str, dtype) -> int:
+    """Bytes the process's first matrix product leaves allocated after its result is freed:
+    cuBLAS's workspace, which PyTorch takes from its caching allocator and keeps (0 on the
+    CPU, where nothing is counted)."""
+    import torch
+    if device != "cuda":
+        return 0
+    a = torch.randn(512, 512, device=device, dtype=dtype)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    (a @ a).sum().item()
+    torch.nn.functional.linear(a, a, a[0]).sum().item()  # cuBLASLt's addmm path too
+    return torch.cuda.memory_allocated() - base
+
+
+def probe(settings) -> dict:
+    from kit.measure.device import torch_dtype
+    from kit.measure.memory import probe_measurement
+    workspace = first_gemm_bytes(settings.device, torch_dtype(settings.dtype))
+    sizes = [MiB, 64 * MiB, 1024 * MiB]
+    measured = {n: probe_measurement(settings.device, n) for n in sizes}
+    return {"first_gemm_bytes": workspace, "probe": {str(n): m for n, m in measured.items()},
+            "notes": [f"the first matrix products left {workspace / MiB:,.1f} MiB allocated "
+                      "(cuBLAS's workspace)"] if settings.device == "cuda" else [],
+            "held": [held(f"a tensor of {n // MiB:,} MiB measures exactly {n // MiB:,} MiB",
+                          measured[n] == n) for n in sizes]}
+
+
+def profiles(settings) -> dict:
+    from kit.engine.profile_run import profile_memory
+    found = profile_memory(settings)
+    eager, compiled = found["eager"], found["compiled"]
+    ratio = compiled.kv_cache_bytes / eager.kv_cache_bytes if eager.kv_cache_bytes > 0 else None
+    claims = [held("both profiles leave memory for the KV cache",
+                   min(eager.kv_cache_bytes, compiled.kv_cache_bytes) > 0),
+              held("the compiled profile's peak is at most the eager one's",
+                   compiled.peak_activation_bytes <= eager.peak_activation_bytes)]
+    if settings.device == "cuda":
+        claims.append(held("non-torch memory is measured", eager.non_torch_bytes is not None))
+    notes = [f"{k}: peak activations {p.peak_activation_bytes / MiB:,.1f} MiB, KV cache "
+             f"{p.kv_cache_bytes / MiB:,.1f} MiB, non-torch {(p.non_torch_bytes or 0) / MiB:,.1f}"
+             f" MiB" for k, p in found.items()]
+    if ratio:
+        notes.append(f"KV cache compiled ÷ eager: {ratio:.3f}×")
+    return {"profiles": {k: p.summary() for k, p in found.items()},
+            "kv_cache_ratio_compiled_over_eager": ratio, "held": claims, "notes": notes}
+
+
+def profiler_table(settings, steps: int = 3) -> dict:
+    """`steps` decode steps of each strategy (eager, guard-free, CUDA graphs where there is a
+    GPU) under torch.profiler, each table's rows as the step breakdown reads them."""
+    import torch
+
+    from kit.engine.decode import decode_inputs, peak_blocks, prompt_lengths
+    from kit.engine.decode_fit import check_request
+    from kit.engine.decode_runners import warm_up
+    from kit.engine.kv_cache import KVCacheLayout, allocate
+    from kit.engine.model import build_model
+    from kit.measure.device import synchronize
+    from kit.measure.profiler import profiled
+    from kit.measure.step_breakdown import event_rows
+    layout = KVCacheLayout.for_settings(settings)
+    check_request(settings, layout)
+    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
+    lengths = prompt_lengths(settings.batch_size, settings.input_len)
+    cache = allocate(layout, peak_blocks(layout, lengths, 2 + steps), settings.device)
+    batch, prompts = decode_inputs(settings, layout, cache)
+    strategies = ["eager", "guard_free"] + (["cuda_graphs"] if settings.device == "cuda" else [])
+    rows = {}
+    with torch.no_grad():
+        for name in strategies:
+            runner, _ = warm_up(model, batch, prompts, 2 + steps, name)
+            with profiled(settings.device) as prof:
+                for _ in range(steps):
+                    batch.step(runner)
+                synchronize(settings.device)
+            rows[name] = event_rows(prof.key_averages())
+            runner.discard()
+    return {"steps": steps, "rows": rows,
+            "held": [held(f"{name}: the profiler saw the step's "
+                          + ("device kernels" if settings.device == "cuda" else "ops"),
+                          any(r["device_type"] == "CUDA" for r in table)
+                          if settings.device == "cuda" else bool(table))
+                     for name, table in rows.items()]}
+
+
+STEPS = {"machine": machine, "probe": probe, "profiles": profiles,
+         "profiler_table": profiler_table}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kit.cli.validate_steps")
+    p.add_argument("step", choices=sorted(STEPS))
+    p.add_argument("folder", type=Path)
+    p.add_argument("--preset", default="gpu")
+    p.add_argument("-p", "--param", action="append", default=[])
+    args = p.parse_args(argv)
+    settings = load(args.preset, **parse_params(args.param))
+    result = STEPS[args.step](settings)
+    (args.folder / f"{args.step}.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0 if all(h["ok"] for h in result["held"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
