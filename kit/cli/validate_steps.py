@@ -9,9 +9,9 @@ the claims it checked, each true or false.
   process's first matrix product leaves allocated (cuBLAS's workspace, on a GPU: the reason
   every profile warms it up first).
 - `profiles`: chapter 01's two profiles, eager and compiled, with their KV cache budgets.
-- `profiler_table`: one decode step per strategy under torch.profiler, its event table written
-  as rows (`kit.measure.step_breakdown`), so that the breakdown's classification can be checked
-  against a recorded table.
+- `profiler_table`: a few decode steps per strategy under torch.profiler, the tables written as
+  rows (`kit.measure.profile_rows`, `profile_tables.json`), so that the step breakdown's
+  classification can be checked against a recorded table (tests/fixtures holds one).
 """
 from __future__ import annotations
 
@@ -98,9 +98,10 @@ def profiles(settings) -> dict:
             "kv_cache_ratio_compiled_over_eager": ratio, "held": claims, "notes": notes}
 
 
-def profiler_table(settings, steps: int = 3) -> dict:
+def profiler_table(settings, folder: Path, steps: int = 3) -> dict:
     """`steps` decode steps of each strategy (eager, guard-free, CUDA graphs where there is a
-    GPU) under torch.profiler, each table's rows as the step breakdown reads them."""
+    GPU) under torch.profiler: the tables written to `profile_tables.json` as the step
+    breakdown's test fixture reads them (`kit.measure.profile_rows`), and each one's split."""
     import torch
 
     from kit.engine.decode import decode_inputs, peak_blocks, prompt_lengths
@@ -109,8 +110,9 @@ def profiler_table(settings, steps: int = 3) -> dict:
     from kit.engine.kv_cache import KVCacheLayout, allocate
     from kit.engine.model import build_model
     from kit.measure.device import synchronize
+    from kit.measure.profile_rows import rows_from_profile, save_profile_tables
     from kit.measure.profiler import profiled
-    from kit.measure.step_breakdown import event_rows
+    from kit.measure.step_breakdown import split_rows
     layout = KVCacheLayout.for_settings(settings)
     check_request(settings, layout)
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
@@ -118,7 +120,7 @@ def profiler_table(settings, steps: int = 3) -> dict:
     cache = allocate(layout, peak_blocks(layout, lengths, 2 + steps), settings.device)
     batch, prompts = decode_inputs(settings, layout, cache)
     strategies = ["eager", "guard_free"] + (["cuda_graphs"] if settings.device == "cuda" else [])
-    rows = {}
+    tables = {}
     with torch.no_grad():
         for name in strategies:
             runner, _ = warm_up(model, batch, prompts, 2 + steps, name)
@@ -126,14 +128,22 @@ def profiler_table(settings, steps: int = 3) -> dict:
                 for _ in range(steps):
                     batch.step(runner)
                 synchronize(settings.device)
-            rows[name] = event_rows(prof.key_averages())
+            tables[name] = rows_from_profile(prof)
             runner.discard()
-    return {"steps": steps, "rows": rows,
-            "held": [held(f"{name}: the profiler saw the step's "
-                          + ("device kernels" if settings.device == "cuda" else "ops"),
-                          any(r["device_type"] == "CUDA" for r in table)
-                          if settings.device == "cuda" else bool(table))
-                     for name, table in rows.items()]}
+    about = {"device": settings.device, "torch": torch.__version__, "cuda": torch.version.cuda,
+             "gpu": torch.cuda.get_device_name() if settings.device == "cuda" else None,
+             "model": settings.arch.name, "dtype": settings.dtype,
+             "batch_size": settings.batch_size, "input_len": settings.input_len, "steps": steps}
+    save_profile_tables(folder / "profile_tables.json", tables, about)
+    split = {name: split_rows(rows, settings.device) for name, rows in tables.items()}
+    kinds = "device kernels" if settings.device == "cuda" else "ops"
+    return {"split_seconds": split, "held": [
+        held(f"{name}: the profiler saw the step's {kinds}",
+             any(r.on_device for r in rows) if settings.device == "cuda" else bool(rows))
+        for name, rows in tables.items()] + [
+        held(f"{name}: weight matmuls found", split[name][0] > 0) for name in tables],
+        "notes": [f"{name}: weight matmuls {g / steps * 1e3:.3f} ms, sampling "
+                  f"{s / steps * 1e3:.3f} ms per step" for name, (g, s) in split.items()]}
 
 
 STEPS = {"machine": machine, "probe": probe, "profiles": profiles,
@@ -148,7 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("-p", "--param", action="append", default=[])
     args = p.parse_args(argv)
     settings = load(args.preset, **parse_params(args.param))
-    result = STEPS[args.step](settings)
+    step = STEPS[args.step]
+    result = step(settings, args.folder) if step is profiler_table else step(settings)
     (args.folder / f"{args.step}.json").write_text(json.dumps(result, indent=1, default=str))
     return 0 if all(h["ok"] for h in result["held"]) else 1
 
