@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kit.cli.validate import STEPS, validate
+from kit.cli.validate import STEPS, validate_gpu
 
 
 def kit(*args):
@@ -16,7 +16,7 @@ def kit(*args):
 
 
 def test_steps_run_and_summary_says_what_held(tmp_path):
-    status, folder = validate("cpu-small", [], tmp_path, only=["machine", "probe"])
+    status, folder = validate_gpu("cpu-small", [], tmp_path, only=["machine", "probe"])
     summary = json.loads((folder / "summary.json").read_text())
     assert status == 0
     assert [s["step"] for s in summary["steps"]] == ["machine", "probe"]
@@ -28,7 +28,7 @@ def test_steps_run_and_summary_says_what_held(tmp_path):
 
 
 def test_out_of_time_is_reported_not_hidden(tmp_path):
-    status, folder = validate("cpu-small", [], tmp_path, limit_seconds=2, only=["machine"])
+    status, folder = validate_gpu("cpu-small", [], tmp_path, limit_seconds=2, only=["machine"])
     step = json.loads((folder / "summary.json").read_text())["steps"][0]
     assert status == 1 and not step["ok"] and step["error"] == "no time left"
 

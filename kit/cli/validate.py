@@ -122,7 +122,7 @@ def summary_lines(summary: dict) -> list[str]:
     return lines
 
 
-def validate(preset: str = "gpu", params: list[str] = (), out: Path | None = None,
+def validate_gpu(preset: str = "gpu", params: list[str] = (), out: Path | None = None,
              limit_seconds: int = 540, only: list[str] | None = None) -> tuple[int, Path]:
     """Run the steps (or `only` those named) in order within `limit_seconds`; write the
     folder's summary after each step. Returns (exit status, folder)."""
@@ -161,4 +161,4 @@ def add_cli(sub) -> None:
     p.add_argument("--out", type=Path, help="where the folder goes (default ./runs)")
     p.add_argument("--limit", type=int, default=540, help="seconds for all steps (default 540)")
     p.add_argument("--only", nargs="*", help=f"some of {[s.name for s in STEPS]}")
-    p.set_defaults(func=lambda a: validate(a.preset, a.param, a.out, a.limit, a.only)[0])
+    p.set_defaults(func=lambda a: validate_gpu(a.preset, a.param, a.out, a.limit, a.only)[0])

@@ -150,7 +150,7 @@ STEPS = {"machine": machine, "probe": probe, "profiles": profiles,
          "profiler_table": profiler_table}
 
 
-def main(argv=None) -> int:
+def run_step_cli(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kit.cli.validate_steps")
     p.add_argument("step", choices=sorted(STEPS))
     p.add_argument("folder", type=Path)
@@ -165,4 +165,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_step_cli())
