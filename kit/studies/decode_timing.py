@@ -29,6 +29,7 @@ from kit.engine.layers.attention import summed_attention
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.measure.device import cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
+from kit.measure.memory import cuda_usage
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth
@@ -307,8 +308,10 @@ def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
     strategies = settings.strategies_to_run()
     load_before = os.getloadavg()
     progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
+    # CUDA memory before the model exists: a budget profiled now tells non-torch memory apart
+    before = cuda_usage() if settings.device == "cuda" else None
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    fit = fit_in_cache(settings, layout, *decode_budget(settings, model, recorded))
+    fit = fit_in_cache(settings, layout, *decode_budget(settings, model, recorded, before))
     progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
              f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
     kv_cache = allocate(layout, fit.blocks_needed, settings.device)
