@@ -49,7 +49,8 @@ class StrategyTiming:
 
     strategy: str
     num_seqs: int
-    compile_seconds: float = 0.0   # the first call of the step (compiles, or captures a graph)
+    compile_seconds: float = 0.0   # the first call of the step: it compiles
+    capture_seconds: float = 0.0   # cuda_graphs: the warm-up call and capture after the compile
     warmup_seconds: float = 0.0    # the whole warm-up run: its prefill, steps and compilation
     graphs_compiled: int = 0       # Inductor graphs behind the runner: 1 means no recompile
     guards: int = 0                # guards Dynamo evaluates on each call of the served code
@@ -114,6 +115,7 @@ class StrategyTiming:
         return {"strategy": self.strategy, "prefill": self.prefill,
                 "graphs_compiled": Count.of(self.graphs_compiled), "guards": Count.of(self.guards),
                 **Seconds.of({"compile_seconds": self.compile_seconds,
+                              "capture_seconds": self.capture_seconds,
                               "warmup_seconds": self.warmup_seconds,
                               "prefill_seconds": self.prefill_seconds,
                               "median_step_seconds": self.median, "p10_step_seconds": self.p10,
@@ -144,10 +146,15 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
         runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name])
         runners[name] = runner
-        timings[name] = StrategyTiming(name, len(prompts), runner.compile_seconds, seconds,
-                                       runner.graphs_compiled, sum(runner.guards()[:1]),
-                                       "eager" if prefills[name] is None else "compiled")
-        progress(f"  first call {runner.compile_seconds:.2f} s, warm-up run {seconds:.2f} s")
+        timings[name] = StrategyTiming(
+            name, len(prompts), compile_seconds=runner.compile_seconds,
+            capture_seconds=runner.capture_seconds, warmup_seconds=seconds,
+            graphs_compiled=runner.graphs_compiled, guards=sum(runner.guards()[:1]),
+            prefill="eager" if prefills[name] is None else "compiled")
+        capture = (f", CUDA graph capture {runner.capture_seconds:.2f} s"
+                   if runner.capture_seconds else "")
+        progress(f"  first call {runner.compile_seconds:.2f} s{capture}, "
+                 f"warm-up run {seconds:.2f} s")
     for round_ in range(num_iters):
         progress(f"timed run {round_ + 1}/{num_iters}: "
                  f"{', '.join(strategies)}, {steps} steps each ...")
