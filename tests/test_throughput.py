@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kit.measure import throughput
-from kit.measure.device import cpu_isa, describe
+from kit.execute.notebooks import kernel_env
+from kit.measure.device import cpu_isa, describe, describe_apart, describe_in_child
 from kit.measure.dtype_speed import (SLOW_FACTOR, DtypeSpeed, dtype_note, dtype_speed_here,
                                      dtype_speeds, speed_finding)
 from kit.measure.timing import Timings
@@ -52,6 +53,16 @@ def test_cpu_isa_names_pytorchs_kernels_and_the_flags():
     assert isa["pytorch_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert all(isinstance(isa[f], bool) for f in ("avx2", "avx512", "avx512_bf16", "amx_tile"))
     assert describe("cpu")["cpu_isa"] == isa
+
+
+def test_the_machine_described_in_a_child_process_is_the_one_described_here():
+    """`python -m kit run` describes a CUDA machine in a child process, so that its own process
+    never holds a CUDA context: the child's description, its numbers typed as here, is the
+    in-process one (shown on this machine's CPU); on the CPU it stays in process."""
+    here, child = describe("cpu"), describe_in_child("cpu", kernel_env())
+    assert child == here
+    assert {k: type(v) for k, v in child.items()} == {k: type(v) for k, v in here.items()}
+    assert describe_apart("cpu") == here
 
 
 def _probe(dtype, rate):
