@@ -89,6 +89,15 @@ def isa_table(isa: dict) -> Table:
     return Table([{"": k, "value": shown(v)} for k, v in isa.items()])
 
 
+def compilers_table(compilers) -> Table:
+    """Chapter 00's compilers (`kit.studies.setup_check.Compiler` each): which one, or what
+    to install."""
+    return Table([{"language": c.language, "used by": c.used_by,
+                   "command": c.command if c.found else "none found",
+                   "version, or what to do": c.version if c.found else c.install}
+                  for c in compilers])
+
+
 def probes_table(p) -> Table:
     """Chapter 00's probes (`kit.studies.setup_check.Probes`)."""
     rows = [{"probe": "memory measurement",

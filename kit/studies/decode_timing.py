@@ -61,6 +61,13 @@ class StrategyTiming:
     floor_seconds: list[float] = field(default_factory=list)  # per step, from the roofline
     breakdown: StepBreakdown | None = None                  # a few steps, profiled apart
 
+    def warmup_line(self) -> str:
+        """The warm-up's parts: "compile 1.20 s, warm-up 1.50 s", the CUDA graph's capture
+        between them when one was captured."""
+        capture = (f"CUDA graph capture {self.capture_seconds:.2f} s, "
+                   if self.capture_seconds else "")
+        return f"compile {self.compile_seconds:.2f} s, {capture}warm-up {self.warmup_seconds:.2f} s"
+
     @property
     def samples(self) -> Timings:
         """Every step of every timed run."""
