@@ -347,8 +347,8 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
                 inductor_config: dict | None = None) -> Runner:
     """`fn` run by `strategy` (one of STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`; a cuda_graphs runner's captures
-in `capture_seconds`). `dynamic_dims` maps argument
-    index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
+    in `capture_seconds`). `dynamic_dims` maps argument index -> dimensions marked dynamic
+    (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
     to the example's batch size). `inductor_config` patches Inductor's settings for the first
     call, which compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on
