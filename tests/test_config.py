@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kit.config import PARAMETERS, ModelConfig, load
+from kit.config import DEFAULT_PRESET, PARAMETERS, ModelConfig, load, read_preset
 from kit.units import parse_bytes
 from kit.errors import ConfigError
 
@@ -141,6 +141,14 @@ def test_cuda_without_cuda_is_refused():
         load("cpu-small", device="cuda")
     with pytest.raises(ConfigError, match="no CUDA device"):
         load("gpu")
+
+
+def test_the_default_preset_is_on_the_cpu_on_any_machine():
+    """The default preset (the tests' and a plain `python -m kit run`'s) is calibrated for the
+    CPU: its device is "cpu", not "auto", so on a GPU machine its 96 MiB emulated device does
+    not move onto CUDA (the gpu preset is for a GPU)."""
+    assert read_preset(DEFAULT_PRESET)["device"] == "cpu"
+    assert load().device == "cpu"
 
 
 def test_sizes_parse():

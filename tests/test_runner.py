@@ -1,3 +1,4 @@
+import ast
 import json
 from pathlib import Path
 
@@ -184,3 +185,33 @@ def test_bench_suite_says_whether_this_cpus_bf16_is_native():
              "measured": {"slowdown_vs_float32.bfloat16": 80.0}}
     assert bf16_line(older) == bf16_line(slow)
     assert "not measured" in bf16_line({"cpu_isa": {"pytorch_kernels": "AVX512"}})
+
+
+# What opens a CUDA context (or needs one): the kit's device functions, and torch.cuda's but
+# the two that only ask the driver (`is_available`, `device_count`: cuInit, no context).
+OPENS_A_CONTEXT = {"describe", "describe_in_child", "capacity_bytes", "cuda_usage",
+                   "synchronize", "run_probes", "build_model"}
+ASKS_THE_DRIVER = {"is_available", "device_count"}
+# The modules that run in `python -m kit run`'s, `kit sweep`'s and `kit bench suite`'s own
+# process, while notebooks' kernels measure the card.
+PARENT = ["kit/execute/*.py", "kit/pages/*.py", "kit/sweep/*.py", "kit/cli/main.py",
+          "kit/cli/suite.py", "kit/results.py", "kit/config/*.py"]
+
+
+def test_the_parent_process_never_opens_a_cuda_context():
+    """The parent of the notebooks' kernels calls nothing that opens a CUDA context (a context
+    held for the whole run costs about 0.5 GB of the card the chapters measure): the machine is
+    described through `describe_apart`, which asks a child process on CUDA."""
+    root = Path(kit.__file__).parent.parent
+    calls = []
+    for path in sorted({p for pattern in PARENT for p in root.glob(pattern)}):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                last = name.rsplit(".", 1)[-1]
+                cuda = "torch.cuda." in name and last not in ASKS_THE_DRIVER
+                if last in OPENS_A_CONTEXT or cuda:
+                    calls.append(f"{path.relative_to(root)}: {name}")
+    assert calls == []
+    source = (root / "kit/execute/notebooks.py").read_text()
+    assert "describe_apart(settings.device" in source

@@ -1,15 +1,21 @@
-"""The time-bounded probes (kit.measure.throughput), the CPU's ISA as PyTorch sees it, and the
-16-bit speed verdict chapters 00, 03–05 print. Real measurements on this machine: the tests
-check what must hold on any machine (sizes within limits, enough repeats, positive rates), never
-how fast it is."""
+"""The time-bounded probes (kit.measure.throughput), the CPU's ISA as PyTorch sees it, the
+compilers chapter 00 looks for, and the 16-bit speed verdict chapters 00, 03–05 print. Real
+measurements on this machine: the tests check what must hold on any machine (sizes within
+limits, enough repeats, positive rates), never how fast it is."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kit.measure import throughput
-from kit.measure.device import cpu_isa, describe
+from kit.execute.notebooks import kernel_env
+from kit.measure.device import cpu_isa, describe, describe_apart, describe_in_child
 from kit.measure.dtype_speed import (SLOW_FACTOR, DtypeSpeed, dtype_note, dtype_speed_here,
                                      dtype_speeds, speed_finding)
 from kit.measure.timing import Timings
+from kit.studies.setup_check import compilers, fix_for
 from kit.units import fmt_flops
 
 
@@ -52,6 +58,35 @@ def test_cpu_isa_names_pytorchs_kernels_and_the_flags():
     assert isa["pytorch_kernels"] == torch.backends.cpu.get_cpu_capability()
     assert all(isinstance(isa[f], bool) for f in ("avx2", "avx512", "avx512_bf16", "amx_tile"))
     assert describe("cpu")["cpu_isa"] == isa
+
+
+def test_the_machine_described_in_a_child_process_is_the_one_described_here():
+    """`python -m kit run` describes a CUDA machine in a child process, so that its own process
+    never holds a CUDA context: the child's description, its numbers typed as here, is the
+    in-process one (shown on this machine's CPU); on the CPU it stays in process."""
+    here, child = describe("cpu"), describe_in_child("cpu", kernel_env())
+    assert child == here
+    assert {k: type(v) for k, v in child.items()} == {k: type(v) for k, v in here.items()}
+    assert describe_apart("cpu") == here
+
+
+def test_the_compilers_torch_compile_needs_are_found_as_inductor_and_triton_find_them():
+    """Here (a g++ and a gcc on PATH) both are found and answer `--version`; with CXX and CC
+    naming no compiler, Inductor's lookup and Triton's order find none, and each says what to
+    install (a fresh process: Inductor reads CXX when its config is imported)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    cxx, cc = compilers("cuda")
+    assert cxx.found and cxx.command == get_cpp_compiler() and cc.found
+    assert [c.language for c in compilers("cpu")] == ["C++"]
+    script = ("import json; from kit.studies.setup_check import compilers; "
+              "print(json.dumps([[c.found, c.line()] for c in compilers('cuda')]))")
+    env = {**kernel_env(), "CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, check=True)
+    (cxx_found, cxx_line), (cc_found, cc_line) = json.loads(done.stdout.splitlines()[-1])
+    assert not cxx_found and "none found" in cxx_line and "apt-get install g++" in cxx_line
+    assert not cc_found and "none found" in cc_line and "apt-get install gcc" in cc_line
+    assert "C++ compiler" in fix_for("compilers for torch.compile are present")
 
 
 def _probe(dtype, rate):

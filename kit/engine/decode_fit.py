@@ -76,15 +76,18 @@ def early_fit(settings: Settings, layout: KVCacheLayout) -> CacheFit:
     return fit_in_cache(settings, layout, most, "capacity × gpu_memory_utilization − weights")
 
 
-def decode_budget(settings: Settings, model: Decoder,
-                  recorded: dict | None = None) -> tuple[int, str]:
+def decode_budget(settings: Settings, model: Decoder, recorded: dict | None = None,
+                  before=None) -> tuple[int, str]:
     """`kv_budget` with chapter 01's eager profile of `model`: read from chapter 01's record
     (`recorded`) when it holds one for the same settings, else measured now (only when no
-    kv_cache_memory_bytes is given)."""
+    kv_cache_memory_bytes is given). `before` is `cuda_usage()` taken before `model` was built
+    (CUDA), so that a profile measured now subtracts the memory grown outside PyTorch, as
+    chapter 01's does; None on the CPU."""
     left = None
     if settings.kv_cache_memory_bytes is None:
         left = recorded_eager_kv_bytes(settings, recorded)
         if left is None:
             with torch.inference_mode():
-                left = profile_run(model, settings, "eager", weights_bytes(model)).kv_cache_bytes
+                left = profile_run(model, settings, "eager", weights_bytes(model),
+                                   before).kv_cache_bytes
     return kv_budget(settings, "eager", left)

@@ -22,7 +22,11 @@ Every compiled runner compiles its own copy of the function's code object, so ru
 on the same model never share Dynamo cache entries: each runner's guards and recompiles are
 its own, and `discard()` empties exactly its cache (what vLLM does after the profiling run).
 A runner is built warm: `make_runner` makes its first call with `example_args`, and
-`compile_seconds` is the time of that call.
+`compile_seconds` is the time of that call. `cuda_graphs` then runs each capture size once and
+captures its graph; that time is `capture_seconds` (0 for the other runners), reported apart as
+vLLM does: "torch.compile took N s in total" (vllm/compilation/monitor.py) apart from "Graph
+capturing finished in N secs" (`capture_model` in vllm/v1/worker/gpu_model_runner.py, which
+times each size's warm-up runs and capture together).
 """
 from __future__ import annotations
 
@@ -93,6 +97,7 @@ class Runner:
     def __init__(self, fn, device: str):
         self.fn, self.device = fn, device
         self.compile_seconds = 0.0
+        self.capture_seconds = 0.0  # CUDA graphs' warm-up runs and captures (cuda_graphs only)
         self.code = None  # the code object whose Dynamo cache serves this runner
 
     def warm(self, example_args: tuple) -> "Runner":
@@ -282,8 +287,13 @@ class CUDAGraphs(Runner):
         return tuple(a[:size] if i in self.batched else a for i, a in enumerate(self.static_args))
 
     def warm(self, example_args: tuple) -> "Runner":
+        """Compile (the first call, timed into `compile_seconds`), then run each capture size
+        once and capture its graph (timed into `capture_seconds`)."""
         t0 = time.perf_counter()
         self.inner(*example_args)  # compile once, batch dimension dynamic
+        torch.cuda.synchronize()
+        self.compile_seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
         largest = self.capture_sizes[-1]
         self.static_args = tuple(
             a.new_zeros((largest,) + tuple(a.shape[1:])) if i in self.batched else a
@@ -301,7 +311,7 @@ class CUDAGraphs(Runner):
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        self.compile_seconds = time.perf_counter() - t0
+        self.capture_seconds = time.perf_counter() - t0
         return self
 
     def size_for(self, batch: int) -> int | None:
@@ -336,8 +346,9 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
                 dynamic_dims: dict | None = None, capture_sizes=None,
                 inductor_config: dict | None = None) -> Runner:
     """`fn` run by `strategy` (one of STRATEGIES), already warm: its first call, with
-    `example_args`, has compiled it (timed in `compile_seconds`). `dynamic_dims` maps argument
-    index -> dimensions marked dynamic (default: argument 0's dimension 0, the batch).
+    `example_args`, has compiled it (timed in `compile_seconds`; a cuda_graphs runner's captures
+    in `capture_seconds`). `dynamic_dims` maps argument index -> dimensions marked dynamic
+    (default: argument 0's dimension 0, the batch).
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
     to the example's batch size). `inductor_config` patches Inductor's settings for the first
     call, which compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on

@@ -204,11 +204,12 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     settings = load(preset, **{k: v for k, v in params.items() if k != "preset"})
     run_path = new_run_dir(Path(out or Path.cwd() / "runs"), preset)
     os.environ[RUN_DIR_ENV] = str(run_path)
-    from kit.measure.device import describe, versions
+    from kit.measure.device import describe_apart, versions
     units = {}  # the units of the settings' and the machine's numbers, by dotted name
     summary = {"preset": preset, "parameters": params,
                "settings": plain(settings.as_dict(), units, "settings"),
-               "machine": plain(describe(settings.device), units, "machine"),
+               # never a CUDA context in this process: its kernels measure the card
+               "machine": plain(describe_apart(settings.device, kernel_env()), units, "machine"),
                "versions": versions(), "log": LOG_NAME, "notebooks": [], "units": units}
     nb_params = {nb: {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
                  for nb in notebooks}

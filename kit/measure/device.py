@@ -3,17 +3,21 @@ its software are, what can be measured here and how.
 
 Capacity on CUDA comes from `torch.cuda.mem_get_info`; on the CPU from physical memory, unless
 `device_memory` emulates a smaller accelerator. (Which device `auto` means is decided when the
-settings are loaded: `kit.config.resolve_device`.)
+settings are loaded: `kit.config.resolve_device`.) `python -m kit run` describes a CUDA machine
+from a child process (`describe_apart`), so that its own process never holds a CUDA context.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
+import sys
 from importlib import metadata
 
 import torch
 
-from kit.units import Bytes, Count
+from kit.units import QUANTITIES, Bytes, Count
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -115,7 +119,9 @@ def cpu_kind() -> dict:
 
 
 def describe(device: str) -> dict:
-    """The machine in a few fields, recorded with every run."""
+    """The machine in a few fields, recorded with every run. On CUDA it asks torch.cuda for
+    the card, which opens a CUDA context: a process that must not hold one uses
+    `describe_apart`."""
     info = {"device": device, "cpu": cpu_name(), "cpu_isa": cpu_isa(),
             "cpu_cores": Count.of(os.cpu_count()), "torch_threads": Count(torch.get_num_threads()),
             "physical_memory_bytes": Bytes.of(physical_memory_bytes()), "gpu": None,
@@ -124,6 +130,41 @@ def describe(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_memory_bytes"] = Bytes(torch.cuda.mem_get_info()[1])
     return info
+
+
+# The child's script: `describe` there, its numbers written plain with their units beside.
+DESCRIBE_SCRIPT = ("import json, sys; from kit.measure.device import describe; "
+                   "from kit.results import plain; units = {}; "
+                   "machine = plain(describe(sys.argv[1]), units); "
+                   "print(json.dumps({'machine': machine, 'units': units}))")
+
+
+def describe_in_child(device: str, env: dict | None = None, timeout: float = 300) -> dict:
+    """`describe(device)` run in a short child process (`env`: its environment, which must
+    import this kit), returned with its numbers typed as here: a CUDA context the child opens
+    goes when it exits."""
+    done = subprocess.run([sys.executable, "-c", DESCRIBE_SCRIPT, device], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise RuntimeError(f"describing the {device} device in a child process: {lines[-1]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {k: QUANTITIES[out["units"][k]].of(v) if k in out["units"] else v
+            for k, v in out["machine"].items()}
+
+
+def describe_apart(device: str, env: dict | None = None) -> dict:
+    """`describe(device)` for a process that must never open a CUDA context: `python -m kit
+    run`'s parent, whose context (about 0.5 GB of the card) would stay for the whole run while
+    the notebooks' kernels measure the same card. On CUDA the GPU is described in a child
+    process (`describe_in_child`); if that fails, the CPU's fields with the child's error under
+    `gpu_error`, and the run goes on. Elsewhere, here (nothing to keep out; no slower)."""
+    if device != "cuda":
+        return describe(device)
+    try:
+        return describe_in_child(device, env)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+        return {**describe("cpu"), "device": device, "gpu_error": f"{type(e).__name__}: {e}"}
 
 
 def capabilities(device: str) -> dict:

@@ -89,6 +89,15 @@ def isa_table(isa: dict) -> Table:
     return Table([{"": k, "value": shown(v)} for k, v in isa.items()])
 
 
+def compilers_table(compilers) -> Table:
+    """Chapter 00's compilers (`kit.studies.setup_check.Compiler` each): which one, or what
+    to install."""
+    return Table([{"language": c.language, "used by": c.used_by,
+                   "command": c.command if c.found else "none found",
+                   "version, or what to do": c.version if c.found else c.install}
+                  for c in compilers])
+
+
 def probes_table(p) -> Table:
     """Chapter 00's probes (`kit.studies.setup_check.Probes`)."""
     rows = [{"probe": "memory measurement",
@@ -148,9 +157,12 @@ def memory_pr_table(v) -> Table:
 # --- chapter 03 -------------------------------------------------------------------------------
 
 def plans_table(comparison) -> Table:
-    """Chapter 03's plans as a learner reads them: units, and why a plan did not run."""
+    """Chapter 03's plans as a learner reads them: units, and why a plan did not run. A plan
+    that captured CUDA graphs adds a column: its warm-up runs and captures, apart from its
+    compile."""
     def us(x):
         return "–" if x is None else f"{x * 1e6:,.0f}"  # –: not measured for this plan
+    captured = any(r.capture_seconds for r in comparison.results.values())
     rows = []
     for r in comparison.results.values():
         if not r.available:  # every measured column says so, the note says why
@@ -163,6 +175,7 @@ def plans_table(comparison) -> Table:
             "profiles with": r.profile_with + (", discarded" if r.discard else ""),
             "compile s (profile / serve)": f"{r.profile_compile_seconds or 0:.1f} / "
                                            f"{r.compile_seconds:.1f}",
+            **({"CUDA graph capture s": f"{r.capture_seconds:.1f}"} if captured else {}),
             "cache entries": r.cache_entries,
             "guards": "–" if r.guards_total is None else r.guards_total,
             "graphs": r.graphs_compiled, "recompiles": r.recompiles,
@@ -249,8 +262,11 @@ def bandwidth_line(limits) -> str:
 
 
 def decode_table(report) -> Table:
-    """Chapter 04's strategies (`DecodeReport`): step times, floor, correctness, matmuls."""
+    """Chapter 04's strategies (`DecodeReport`): step times, floor, correctness, matmuls; the
+    CUDA graph capture apart from the compile when a strategy captured one."""
+    captured = any(t.capture_seconds for t in report.timings.values())
     rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
+             **({"capture s": f"{t.capture_seconds:.2f}"} if captured else {}),
              "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
              "median ms": f"{t.median * 1e3:.2f}",
              "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",

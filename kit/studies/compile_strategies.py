@@ -3,9 +3,10 @@ buys, measured on one model, one set of inputs and one set of settings.
 
 Each row of the chapter is a *plan*: how the profiling run is executed (by which strategy, and
 whether that compilation is thrown away afterwards) and by which strategy the model is then
-served (a `kit.engine.runners` runner). For each plan `compare` measures: compile time, guards
-and cache entries on the served code, graphs compiled and recompiles over a realistic sequence of decode
-batch sizes, the per-call cost of Dynamo (through Dynamo versus the same compiled graph called
+served (a `kit.engine.runners` runner). For each plan `compare` measures: compile time (for
+CUDA graphs, the warm-up runs and captures apart: `capture_seconds`), guards and cache entries
+on the served code, graphs compiled and recompiles over a realistic sequence of decode batch
+sizes, the per-call cost of Dynamo (through Dynamo versus the same compiled graph called
 directly, and the profiler's "TorchDynamo Cache Lookup"), the profile's peak memory and the KV
 cache blocks it leaves (chapters 01 and 02), the time of one forward at decode shape, and the
 largest difference of the outputs from eager.
@@ -92,6 +93,7 @@ class PlanResult:
     reason: str = ""  # why not, when unavailable
     profile_compile_seconds: float | None = None
     compile_seconds: float | None = None  # the first serving call
+    capture_seconds: float | None = None  # CUDA graphs' warm-up runs and captures (else 0)
     peak_activation_bytes: int | None = None
     non_torch_bytes: int | None = None  # measured on CUDA only
     kv_cache_bytes: int | None = None
@@ -145,8 +147,8 @@ class PlanResult:
 
 
 PLAN_QUANTITIES = {
-    Seconds: ("profile_compile_seconds", "compile_seconds", "forward_seconds", "forward_spread",
-              "forward_best_seconds", "direct_seconds", "direct_best_seconds",
+    Seconds: ("profile_compile_seconds", "compile_seconds", "capture_seconds", "forward_seconds",
+              "forward_spread", "forward_best_seconds", "direct_seconds", "direct_best_seconds",
               "dynamo_overhead_seconds", "dynamo_overhead_best_seconds", "cache_lookup_seconds"),
     Bytes: ("peak_activation_bytes", "non_torch_bytes", "kv_cache_bytes"),
     Count: ("number", "num_blocks", "cache_entries", "guards", "graphs_compiled", "recompiles",
@@ -231,7 +233,7 @@ def _serve(bench: _Bench, plan: Plan, res: PlanResult, runner, step_sizes: list[
                              capture_sizes=capture_sizes_up_to(bench.settings.max_num_seqs))
     else:
         runner.warm(args)
-    res.compile_seconds = runner.compile_seconds
+    res.compile_seconds, res.capture_seconds = runner.compile_seconds, runner.capture_seconds
     before = runner.graphs_compiled
     worst, scale = 0.0, 0.0
     try:

@@ -29,6 +29,7 @@ from kit.engine.layers.attention import summed_attention
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.measure.device import cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
+from kit.measure.memory import cuda_usage
 from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth
@@ -48,7 +49,8 @@ class StrategyTiming:
 
     strategy: str
     num_seqs: int
-    compile_seconds: float = 0.0   # the first call of the step (compiles, or captures a graph)
+    compile_seconds: float = 0.0   # the first call of the step: it compiles
+    capture_seconds: float = 0.0   # cuda_graphs: the warm-up call and capture after the compile
     warmup_seconds: float = 0.0    # the whole warm-up run: its prefill, steps and compilation
     graphs_compiled: int = 0       # Inductor graphs behind the runner: 1 means no recompile
     guards: int = 0                # guards Dynamo evaluates on each call of the served code
@@ -58,6 +60,13 @@ class StrategyTiming:
     correctness: Correctness | None = None                  # of the first timed run
     floor_seconds: list[float] = field(default_factory=list)  # per step, from the roofline
     breakdown: StepBreakdown | None = None                  # a few steps, profiled apart
+
+    def warmup_line(self) -> str:
+        """The warm-up's parts: "compile 1.20 s, warm-up 1.50 s", the CUDA graph's capture
+        between them when one was captured."""
+        capture = (f"CUDA graph capture {self.capture_seconds:.2f} s, "
+                   if self.capture_seconds else "")
+        return f"compile {self.compile_seconds:.2f} s, {capture}warm-up {self.warmup_seconds:.2f} s"
 
     @property
     def samples(self) -> Timings:
@@ -113,6 +122,7 @@ class StrategyTiming:
         return {"strategy": self.strategy, "prefill": self.prefill,
                 "graphs_compiled": Count.of(self.graphs_compiled), "guards": Count.of(self.guards),
                 **Seconds.of({"compile_seconds": self.compile_seconds,
+                              "capture_seconds": self.capture_seconds,
                               "warmup_seconds": self.warmup_seconds,
                               "prefill_seconds": self.prefill_seconds,
                               "median_step_seconds": self.median, "p10_step_seconds": self.p10,
@@ -143,10 +153,15 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
         runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name])
         runners[name] = runner
-        timings[name] = StrategyTiming(name, len(prompts), runner.compile_seconds, seconds,
-                                       runner.graphs_compiled, sum(runner.guards()[:1]),
-                                       "eager" if prefills[name] is None else "compiled")
-        progress(f"  first call {runner.compile_seconds:.2f} s, warm-up run {seconds:.2f} s")
+        timings[name] = StrategyTiming(
+            name, len(prompts), compile_seconds=runner.compile_seconds,
+            capture_seconds=runner.capture_seconds, warmup_seconds=seconds,
+            graphs_compiled=runner.graphs_compiled, guards=sum(runner.guards()[:1]),
+            prefill="eager" if prefills[name] is None else "compiled")
+        capture = (f", CUDA graph capture {runner.capture_seconds:.2f} s"
+                   if runner.capture_seconds else "")
+        progress(f"  first call {runner.compile_seconds:.2f} s{capture}, "
+                 f"warm-up run {seconds:.2f} s")
     for round_ in range(num_iters):
         progress(f"timed run {round_ + 1}/{num_iters}: "
                  f"{', '.join(strategies)}, {steps} steps each ...")
@@ -307,8 +322,10 @@ def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
     strategies = settings.strategies_to_run()
     load_before = os.getloadavg()
     progress(f"building {settings.arch.name} ({settings.dtype}) on {settings.device} ...")
+    # CUDA memory before the model exists: a budget profiled now tells non-torch memory apart
+    before = cuda_usage() if settings.device == "cuda" else None
     model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
-    fit = fit_in_cache(settings, layout, *decode_budget(settings, model, recorded))
+    fit = fit_in_cache(settings, layout, *decode_budget(settings, model, recorded, before))
     progress(f"KV cache: the run needs {fit.blocks_needed:,} of the {fit.budget_blocks:,} "
              f"blocks the budget holds ({fit.budget_source}); allocating those it needs")
     kv_cache = allocate(layout, fit.blocks_needed, settings.device)

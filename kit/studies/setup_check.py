@@ -4,6 +4,9 @@ verdict names the fix for every failed check.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +36,65 @@ def probe_compile(device: str) -> float:
         raise RuntimeError("torch.compile produced different numbers from eager")
     torch._dynamo.reset()
     return seconds
+
+
+@dataclass
+class Compiler:
+    """A compiler torch.compile runs on this machine, found the way the tool that runs it finds
+    it; `command` None when there is none, `version` the first line of its `--version`."""
+
+    language: str  # "C++" or "C"
+    used_by: str
+    command: str | None
+    version: str | None
+    install: str  # what to do when it is missing
+
+    @property
+    def found(self) -> bool:
+        return self.command is not None and self.version is not None
+
+    def line(self) -> str:
+        if self.found:
+            return f"{self.language} for {self.used_by}: {self.command} ({self.version})"
+        return f"{self.language} for {self.used_by}: none found; {self.install}"
+
+
+def version_line(command: str) -> str | None:
+    """The first line `command --version` prints, or None when it cannot run."""
+    try:
+        done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0] if done.returncode == 0 and lines else None
+
+
+def inductor_cxx() -> Compiler:
+    """The C++ compiler Inductor builds its CPU kernels with, as Inductor picks it
+    (`torch._inductor.cpp_builder.get_cpp_compiler`: $CXX, else g++, the first that answers
+    `--version`)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    command, _ = attempt(get_cpp_compiler)
+    return Compiler("C++", "Inductor", command, command and version_line(command),
+                    "apt-get install g++ (or conda install -c conda-forge gxx), or set CXX "
+                    "to a C++ compiler")
+
+
+def triton_cc() -> Compiler:
+    """The C compiler Triton builds its launcher with at run time, in Triton's order
+    (triton/runtime/build.py: $CC as given, else gcc, else clang on PATH)."""
+    command = os.environ.get("CC")
+    if command is None:
+        command = shutil.which("gcc") or shutil.which("clang")
+    return Compiler("C", "Triton", command, command and version_line(command),
+                    "apt-get install gcc (or conda install -c conda-forge gcc), or set CC to a "
+                    "C compiler")
+
+
+def compilers(device: str) -> list[Compiler]:
+    """The compilers torch.compile needs on `device`: Inductor's C++ compiler, and on CUDA
+    also the C compiler Triton builds each kernel's launcher with."""
+    return [inductor_cxx(), *([triton_cc()] if device == "cuda" else [])]
 
 
 def attempt(fn, *args):
@@ -89,6 +151,9 @@ FIXES = {
                           "that ./setup.sh or environment.yml installs.",
     "torch.compile": "Inductor needs a C++ compiler on the CPU (apt-get install g++, or conda "
                      "install gxx) and Triton on a GPU (it comes with CUDA builds of torch).",
+    "compilers": "Install the compiler the check names as missing: a C++ compiler for Inductor "
+                 "(apt-get install g++, or conda install -c conda-forge gxx) and, on a GPU, a C "
+                 "compiler for Triton (apt-get install gcc); or point CXX / CC at ones you have.",
     "timer": "The clock returned nothing usable: restart the kernel and run the notebook again; "
              "if it persists, report your machine and versions.",
     "the budget": "Give the kit more memory to work with: device_memory='2GiB' or more, or a "
