@@ -405,6 +405,29 @@ def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
     assert result.ok and result.errors[0] < 1e-4, result.errors
 
 
+@pytest.mark.parametrize("key", ["window-gemma2-softcap", "window-gemma3"])
+def test_a_prefill_past_the_score_bound_chunks_its_queries_to_the_same_run(key, monkeypatch):
+    """With the bound on a prefill's score bytes forced low, the eager prefill takes its
+    queries in chunks (the longest prompt's, not the shortest's) and the run's tokens and
+    logits are the unchunked run's; the CPU's compiled prefill keeps the whole score tensor
+    and still serves every prompt length with one graph."""
+    from kit.engine.decode_runners import prefill_runner
+    from kit.engine.layers import prefill_attention as scores
+    a = ARCHS[key]
+    *_, whole = paged_run(a, "float32")
+    monkeypatch.setattr(scores, "MAX_SCORE_BYTES", 200)
+    heads = a.num_attention_heads
+    assert scores.query_chunk(1, heads, 9, 6, 200) < 9 and scores.query_chunk(1, heads, 3, 6, 200) == 3
+    model, prompts, batch, chunked = paged_run(a, "float32")
+    assert torch.equal(chunked.tokens, whole.tokens)
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    prefill = prefill_runner(model, batch, prompts)
+    compiled = generate(model, batch, prompts, STEPS, prefill=prefill)
+    assert prefill.graphs_compiled == 1
+    torch.testing.assert_close(compiled.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    prefill.discard()
+
+
 EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run
