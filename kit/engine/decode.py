@@ -174,8 +174,8 @@ class PagedBatch:
         self.held = []
         self.host_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
         self.tables_changed = True
-        device = self.kv_cache.device  # the first new token goes at n
-        self.positions.copy_(from_host(torch.tensor(self.lengths), device), non_blocking=True)
+        first = from_host(torch.tensor(self.lengths), self.kv_cache.device)
+        self.positions.copy_(first, non_blocking=True)  # the first new token goes at n
         logits = self.prefill(prompts, prefill or prefill_function(model))
         self.input_ids.copy_(greedy(logits))
         return logits
