@@ -101,6 +101,44 @@ def test_sliding_groups_hand_back_blocks_that_leave_their_window(key):
         assert max(batch.held) > sum(-(-(n + STEPS) // BLOCK_SIZE) for n in LENGTHS)
 
 
+def tables_of(batch) -> list[list[list[int]]]:
+    """The block manager's tables as the step reads them: [groups][seqs][width], padded with
+    the null block."""
+    width = batch.block_tables.shape[2]
+    return [[batch.allocator.tables[i][g] + [0] * (width - len(batch.allocator.tables[i][g]))
+             for i in range(len(batch.lengths))] for g in range(len(batch.groups))]
+
+
+@pytest.mark.parametrize("key", ["gqa", "window-mistral", "window-gemma3"])
+@pytest.mark.parametrize("lengths", [LENGTHS, [9, 9, 9, 9]])
+@pytest.mark.parametrize("mirror", [False, True])
+def test_the_step_reads_the_block_managers_tables_after_every_step(key, lengths, mirror):
+    """After the prefill and after every step's bookkeeping (a sliding group handing blocks
+    back, new blocks opened), the tables the step reads equal the block manager's, for mixed
+    and equal prompt lengths (equal ones cross block edges on the same steps); with `mirror`
+    the host's tables are a tensor of their own, sent once per step that changed them, as on a
+    GPU (there through pinned memory); the logits stay the no-cache reference's."""
+    a = ARCHS[key]
+    model = build_model(a, "float32", "cpu", seed=0)
+    batch = batch_for_run(KVCacheLayout.for_model(a, BLOCK_SIZE, "float32"), lengths, STEPS,
+                          "cpu")
+    if mirror:
+        batch.host_tables = batch.block_tables.clone()
+    prompts = make_prompts(lengths, a.vocab_size, seed=1)
+    batch.start(model, prompts)
+    assert batch.block_tables.tolist() == tables_of(batch) and not batch.tables_changed
+    step, freed = step_function(model, batch.max_context_len), 0
+    for _ in range(STEPS):
+        before = tables_of(batch)
+        batch.step(step)
+        assert batch.block_tables.tolist() == tables_of(batch)
+        freed += sum(b != 0 and n == 0 for g, gn in zip(before, tables_of(batch))
+                     for row, rn in zip(g, gn) for b, n in zip(row, rn))
+    assert (freed > 0) == ("window" in key)
+    run = generate(model, batch, prompts, STEPS)
+    assert check_against_no_cache(model, prompts, run, "float32").max_error < 1e-5
+
+
 def test_a_batch_refuses_a_cache_or_a_model_that_is_not_its_layouts():
     a = ARCHS["window-gemma3"]
     layout = KVCacheLayout.for_model(a, BLOCK_SIZE, "float32")  # two groups of one layer
@@ -403,6 +441,29 @@ def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
     assert len(set(LENGTHS)) == 4 and prefill.graphs_compiled == 1
     result = check_against_no_cache(model, prompts, run, "float32")
     assert result.ok and result.errors[0] < 1e-4, result.errors
+
+
+@pytest.mark.parametrize("key", ["window-gemma2-softcap", "window-gemma3"])
+def test_a_prefill_past_the_score_bound_chunks_its_queries_to_the_same_run(key, monkeypatch):
+    """With the bound on a prefill's score bytes forced low, the eager prefill takes its
+    queries in chunks (the longest prompt's, not the shortest's) and the run's tokens and
+    logits are the unchunked run's; the CPU's compiled prefill keeps the whole score tensor
+    and still serves every prompt length with one graph."""
+    from kit.engine.decode_runners import prefill_runner
+    from kit.engine.layers import prefill_attention as scores
+    a = ARCHS[key]
+    *_, whole = paged_run(a, "float32")
+    monkeypatch.setattr(scores, "MAX_SCORE_BYTES", 200)
+    heads = a.num_attention_heads
+    assert scores.query_chunk(1, heads, 9, 6, 200) < 9 and scores.query_chunk(1, heads, 3, 6, 200) == 3
+    model, prompts, batch, chunked = paged_run(a, "float32")
+    assert torch.equal(chunked.tokens, whole.tokens)
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    prefill = prefill_runner(model, batch, prompts)
+    compiled = generate(model, batch, prompts, STEPS, prefill=prefill)
+    assert prefill.graphs_compiled == 1
+    torch.testing.assert_close(compiled.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    prefill.discard()
 
 
 EMULATED_AVX2 = """

@@ -116,3 +116,33 @@ def test_c_level_stderr_is_captured_for_one_block_and_handed_back():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "before\nafter\n" and done.stdout == "['one', 'two']\n"
+
+
+def test_every_profile_warms_cublas_up_before_its_baseline(monkeypatch):
+    """cuBLAS's workspaces belong in a profile's baseline, not in the peak of whichever profile
+    ran the first product: chapter 01's profile, chapter 03's plan profile and chapter 04's
+    budget fallback each warm cuBLAS up (`warm_up_blas`), then measure. Only the order is
+    checked here; the bytes it keeps out of the eager peak show on a GPU alone."""
+    from kit.engine import profile_run as run
+    from kit.engine.decode_fit import decode_budget
+    from kit.engine.kv_cache import KVCacheLayout
+    from kit.engine.model import build_model
+    from kit.studies.compile_strategies import PLANS, PlanResult, _Bench, _profile
+    calls, warm, measure = [], run.warm_up_blas, run.measure_allocations
+
+    def warm_up_blas(*args):
+        calls.append("warm")
+        return warm(*args)
+
+    def measure_allocations(*args, **kwargs):
+        calls.append("measure")
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(run, "warm_up_blas", warm_up_blas)
+    monkeypatch.setattr(run, "measure_allocations", measure_allocations)
+    s = load("cpu-small", max_num_batched_tokens=256, device="cpu")
+    with torch.inference_mode():
+        run.profile_memory(s, {"eager": "eager"})
+        bench = _Bench(s, KVCacheLayout.for_model(s.arch, s.block_size, s.dtype), [1, 2])
+        _profile(bench, PLANS[0], PlanResult(1, "eager", "eager", "eager", False, ""))
+    decode_budget(s, build_model(s.arch, s.dtype, "cpu", s.seed))
+    assert calls == ["warm", "measure"] * 3

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from kit.config import FAMILIES, ModelConfig
 from kit.engine.checkpoint import layout
 from kit.engine.layers.attention import paged_decode_attention, window_blocks
+from kit.engine.layers.prefill_attention import prefill_attention, query_chunk
 from kit.engine.layers.rotary import apply_rope, rope_cos_sin
 from kit.engine.model import build_model, dummy_batch, weights_bytes
 
@@ -165,3 +166,42 @@ def test_a_sliding_layer_reads_only_its_windows_blocks(window, block_size):
     scores = torch.einsum("shd,slhd->shl", q, k) * dim ** -0.5
     weights = scores.masked_fill(~seen[:, None], float("-inf")).softmax(-1)
     torch.testing.assert_close(got, torch.einsum("shl,slhd->shd", weights, v))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4)])
+@pytest.mark.parametrize("window,softcap", [(None, 3.0), (4, None), (4, 3.0), (1, None),
+                                            (30, None)])
+@pytest.mark.parametrize("max_score_bytes", [1, 2 * 4 * 4 * 13 * 3, 2 * 4 * 4 * 7 * 6])
+def test_chunked_prefill_attention_equals_the_whole(heads, kv_heads, window, softcap,
+                                                    max_score_bytes):
+    """Queries in chunks, each against only the keys it can see, give the attention of the
+    whole score tensor (up to float rounding): grouped, multi-query and multi-head, full with a
+    cap, windowed with and without one; chunks of one query up to several, 13 not a multiple."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, 13, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 13, 8, generator=gen, dtype=torch.float64)
+            for _ in range(2))
+    rows = query_chunk(2, heads, 13, window, max_score_bytes)
+    assert 1 <= rows < 13  # the bound forces chunks
+    whole = prefill_attention(q, k, v, 0.3, window, softcap)
+    chunked = prefill_attention(q, k, v, 0.3, window, softcap, max_score_bytes)
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    ref = torch.stack([reference_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
+                                           v[s].transpose(0, 1), 0.3, window, softcap)
+                       for s in range(2)]).transpose(1, 2)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-6)  # capped: float32 scores
+
+
+def test_a_chunk_of_scores_stays_within_the_bound():
+    """A chunk's scores (seqs × heads × its queries × the keys it sees, float32) fit the bound;
+    the whole tensor goes at once when it fits: at the gpu preset's 8 prompts of 8,176 tokens
+    and 8 heads with a window of 1,022, chunks; at the CPU presets' longest prefills, none."""
+    from kit.engine.layers.prefill_attention import MAX_SCORE_BYTES
+    for seqs, heads, length, window in [(8, 8, 8176, 1022), (8, 8, 8176, None), (3, 5, 999, 7)]:
+        rows = query_chunk(seqs, heads, length, window, 10**7)
+        keys = length if window is None else min(length, rows + window - 1)
+        assert rows < length and seqs * heads * rows * keys * 4 <= 10**7
+    assert query_chunk(8, 8, 8176, 1022) < 8176
+    assert query_chunk(8, 14, 2032, 254) == 2032  # cpu-real, chapter 04's longest prompts
+    assert query_chunk(4, 8, 1008, 126) == 1008  # cpu-small's
+    assert 8 * 14 * 2032 ** 2 * 4 <= MAX_SCORE_BYTES

@@ -109,6 +109,20 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(-1)
 
 
+def from_host(src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`src` (in host memory) ready to be copied to `device` with `non_blocking=True`, so the
+    host does not wait for the device: on CUDA a fresh pinned copy, elsewhere `src` itself.
+
+    A blocking copy from the host (`tensor.to(device)`, `copy_`, `torch.tensor(..., device=)`)
+    synchronizes the stream (ATen's copy_kernel_cuda, `memcpy_and_sync`): inside a timed step
+    the host would wait for every kernel queued before it. A fresh pinned tensor per copy is
+    safe to drop at once: it comes from PyTorch's caching host allocator, which records an event
+    on the stream of each non_blocking copy out of it and hands the block out again only once
+    that event has passed (`record_event` in aten/src/ATen/native/cuda/Copy.cu), so no later
+    update overwrites what an earlier copy still reads."""
+    return src.pin_memory() if device.type == "cuda" and src.device.type == "cpu" else src
+
+
 class PagedBatch:
     """The decode state of one batch: its blocks, and the tensors the step reads each time.
 
@@ -119,6 +133,13 @@ class PagedBatch:
     CUDA graph captured on them stays valid for every step, and for every run after `start`
     resets them. `held`: the blocks the sequences hold after the
     prefill and after each step's bookkeeping.
+
+    The block manager's tables are written to `host_tables` as the bookkeeping goes (on the
+    CPU, the step's own tensor), then sent to the device in one copy per step that changed
+    them, without making the host wait (`from_host`), as vLLM's persistent block tables keep a
+    CPU copy: a blocking copy per sequence that opened a block would stall every step in
+    which the sequences cross a block edge (with equal prompts, all at once, every
+    block_size steps).
     """
 
     def __init__(self, layout: KVCacheLayout, kv_cache: torch.Tensor, lengths: list[int],
@@ -135,6 +156,9 @@ class PagedBatch:
                                        dtype=torch.long, device=device)
         self.positions = torch.zeros(len(lengths), dtype=torch.long, device=device)
         self.input_ids = torch.zeros(len(lengths), dtype=torch.long, device=device)
+        self.host_tables = self.block_tables if device.type == "cpu" else \
+            torch.full_like(self.block_tables, NULL_BLOCK, device="cpu")
+        self.tables_changed = False
         self.allocator, self.held = None, []
 
     def step_args(self) -> tuple:
@@ -148,8 +172,10 @@ class PagedBatch:
         model.bind_kv_cache(self.layout)
         self.allocator = GroupedBlockTables(self.kv_cache.shape[2], self.groups)
         self.held = []
-        self.block_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
-        self.positions.copy_(torch.tensor(self.lengths))  # the first new token goes at n
+        self.host_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
+        self.tables_changed = True
+        first = from_host(torch.tensor(self.lengths), self.kv_cache.device)
+        self.positions.copy_(first, non_blocking=True)  # the first new token goes at n
         logits = self.prefill(prompts, prefill or prefill_function(model))
         self.input_ids.copy_(greedy(logits))
         return logits
@@ -168,15 +194,28 @@ class PagedBatch:
                 for g, group_slots in enumerate(slots):
                     group_slots += [self.allocator.slot(i, p, g) for p in range(length)]
             self.held.append(self.allocator.num_held_blocks)
-            ids = torch.stack([prompts[i] for i in seqs]).to(device)
-            last = forward(ids, torch.tensor(slots, device=device), self.kv_cache)
+            ids = from_host(torch.stack([prompts[i] for i in seqs]), device)
+            slot_mapping = from_host(torch.tensor(slots), device)
+            last = forward(ids.to(device, non_blocking=True),
+                           slot_mapping.to(device, non_blocking=True), self.kv_cache)
             for row, i in enumerate(seqs):
                 logits[i] = last[row]
+        self.send_tables()  # for the first step: the prefill itself reads only slots
         return torch.stack(logits)
 
     def copy_tables(self, seq: int) -> None:
+        """Sequence `seq`'s tables, one per group, from the block manager to `host_tables`."""
         for g, table in enumerate(self.allocator.tables[seq]):
-            self.block_tables[g, seq, :len(table)] = torch.tensor(table)
+            self.host_tables[g, seq, :len(table)] = torch.tensor(table)
+        self.tables_changed = True
+
+    def send_tables(self) -> None:
+        """`host_tables` to the device's `block_tables` in one copy that does not wait for the
+        device (`from_host`), when they changed since the last; on the CPU they are one tensor."""
+        if self.tables_changed and self.host_tables is not self.block_tables:
+            device = self.block_tables.device
+            self.block_tables.copy_(from_host(self.host_tables, device), non_blocking=True)
+        self.tables_changed = False
 
     def make_room(self) -> None:
         """Bookkeeping before a step (`GroupedBlockTables.allocate_slots`): a sliding group
@@ -186,6 +225,7 @@ class PagedBatch:
             changed = self.allocator.allocate_slots(i, 1)
             if any(changed.freed) or any(changed.new):
                 self.copy_tables(i)
+        self.send_tables()
         self.held.append(self.allocator.num_held_blocks)
 
     @torch.no_grad()

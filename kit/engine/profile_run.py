@@ -6,7 +6,10 @@ activations and non-torch memory is the KV cache budget.
 The profile runs eagerly, or compiled through a runner (`kit.engine.runners`) whose compilation
 is thrown away afterwards with `discard()`, as vLLM #7796 does. Chapter 01 teaches it; chapters
 02 (the budget), 03 (each plan's profile), 04 (the decode budget) and 05 use the same profile,
-or chapter 01's recorded one when it profiled the same settings.
+or chapter 01's recorded one when it profiled the same settings; every one of them measures
+through `profile_run`, which first warms cuBLAS up (`warm_up_blas`), so that its workspaces
+are in the baseline of every profile rather than in the peak of whichever ran the process's
+first product.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from kit.engine.budget import MemoryBudget, weights_budget
 from kit.engine.model import Decoder, build_model, dummy_batch, weights_bytes
 from kit.engine.runners import Runner, make_runner
 from kit.errors import ConfigError
-from kit.measure.device import capacity_bytes
+from kit.measure.device import capacity_bytes, synchronize, torch_dtype
 from kit.measure.memory import cuda_usage, measure_allocations, non_torch_bytes
 from kit.units import Bytes, Count, Fraction, GiB, Seconds
 
@@ -109,6 +112,24 @@ def profile_batch(settings: Settings) -> torch.Tensor:
                        settings.arch.vocab_size, settings.device, settings.seed)
 
 
+def warm_up_blas(device: str, dtype: str) -> None:
+    """One product of each kind the model runs, in its dtype, on the current stream (where
+    the profiles run): a plain one (cuBLAS) and one with a bias (cuBLASLt's addmm).
+
+    PyTorch allocates cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG; 32 MiB on Hopper) and
+    cuBLASLt's through its caching allocator at the first product on a handle and stream, and
+    keeps them for the process (aten/src/ATen/cuda/CublasHandlePool.cpp). Left to the model,
+    they would count in the peak of the first profile only, the eager one, and bias compiled ÷
+    eager, the ratio chapter 01 teaches (vLLM #7796). Warmed here, they are in every profile's
+    baseline. Nothing to warm on the CPU: nothing runs there, and its numbers stay as they were."""
+    if device != "cuda":
+        return
+    x = torch.ones(64, 64, dtype=torch_dtype(dtype), device=device)
+    torch.nn.functional.linear(x, x)
+    torch.nn.functional.linear(x, x, x[0])
+    synchronize(device)
+
+
 def profile_run(model: Decoder, settings: Settings, name: str, weights: int,
                 before=None, runner: Runner | None = None) -> MemoryProfile:
     """Profile one forward of `model` at max_num_batched_tokens, and the sampler's logits,
@@ -123,6 +144,7 @@ def profile_run(model: Decoder, settings: Settings, name: str, weights: int,
     def forward():
         hidden = step(ids)
         model.compute_logits(hidden[:, -1])  # the sampler's share: one position per sequence
+    warm_up_blas(device, settings.dtype)  # before the baseline `measure_allocations` takes
     measured = measure_allocations(forward, device)
     return MemoryProfile(
         name=name, device=device, num_tokens=ids.numel(), num_seqs=ids.shape[0],

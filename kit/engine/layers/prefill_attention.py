@@ -3,11 +3,27 @@ window that hides keys older than the last `window` positions (Mistral, Gemma 2 
 and Gemma 2's soft-capping of the scores. `prefill_attention` is the attention within each
 sequence: SDPA's fused kernel, but written out (matmul, cap, mask, softmax) when the scores are
 capped, which SDPA cannot do.
+
+A window or a cap materialises the scores: SDPA with a mask and grouped KV heads runs its math
+kernel, in float32 on a GPU, and the capped form writes them out itself. Their bytes grow with
+the square of the prompt (8 prompts of 8,176 tokens and 8 heads: 17 GB per score tensor), so
+above MAX_SCORE_BYTES the queries go in chunks, each against only the keys it can see (causal,
+and within the window): the same result up to float rounding, in bounded memory.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from kit.units import GiB
+
+# The most bytes one materialised score tensor (float32: seqs × heads × queries × keys) may
+# take before the queries are chunked. Above every CPU preset's prefill (the largest, cpu-real's
+# chapter 04 at 8 × 14 heads × 2,032², is 1.7 GiB), so their numbers stay the unchunked ones.
+MAX_SCORE_BYTES = 2 * GiB
+SCORE_BYTES = 4  # float32
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -26,22 +42,65 @@ def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor,
     return keep
 
 
-def prefill_attention(q, k, v, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
-    """Causal attention within each sequence: q [seqs, heads, len, dim], k and v [seqs, kv_heads,
-    len, dim] -> [seqs, heads, len, dim]. Full attention without a cap is SDPA's causal kernel,
-    a window its mask; capped scores are computed in float32, as are their softmax."""
-    gqa = q.shape[1] != k.shape[1]
-    if softcap is None and window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
-    pos = torch.arange(q.shape[2], device=q.device)
-    mask = visible_keys(pos, pos, window)
+def query_chunk(num_seqs: int, heads: int, length: int, window: int | None,
+                max_score_bytes: int = MAX_SCORE_BYTES) -> int:
+    """Queries per chunk so that a chunk's float32 scores stay within `max_score_bytes`: all
+    `length` when the whole score tensor fits. A chunk of r queries sees at most r + window - 1
+    keys with a window, all `length` of them without one (its last chunk does)."""
+    per_pair = num_seqs * heads * SCORE_BYTES  # bytes of one (query, key) score
+    if per_pair * length * length <= max_score_bytes:
+        return length
+    pairs = max(1, max_score_bytes // per_pair)
+    if window is None:
+        rows = pairs // length
+    else:  # the largest r with r * (r + window - 1) <= pairs
+        rows = (math.isqrt((window - 1) ** 2 + 4 * pairs) - (window - 1)) // 2
+    return max(1, min(length, rows))
+
+
+def masked_attention(q, k, v, scale: float, first_query: int = 0, first_key: int = 0,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Queries at positions first_query.. against keys at first_key.. (q [seqs, heads, n, dim],
+    k and v [seqs, kv_heads, m, dim]), causal and within `window`: SDPA with the mask, or,
+    with `softcap`, the scores written out and capped, in float32 as is their softmax."""
+    query_pos = torch.arange(first_query, first_query + q.shape[2], device=q.device)
+    key_pos = torch.arange(first_key, first_key + k.shape[2], device=q.device)
+    mask = visible_keys(query_pos, key_pos, window)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)
+                                              enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)).float() * scale, softcap)
     weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.matmul(weights.to(q.dtype), v)
+
+
+def prefill_attention(q, k, v, scale: float, window: int | None = None,
+                      softcap: float | None = None,
+                      max_score_bytes: int | None = None) -> torch.Tensor:
+    """Causal attention within each sequence: q [seqs, heads, len, dim], k and v [seqs, kv_heads,
+    len, dim] -> [seqs, heads, len, dim]. Full attention without a cap is SDPA's causal kernel
+    (memory linear in len); a window or a cap goes through `masked_attention`, its queries in
+    chunks (`query_chunk`) when the scores would pass `max_score_bytes` (default
+    MAX_SCORE_BYTES), each chunk against the keys from the first one its earliest query sees (a
+    window's start) to its own last query.
+
+    Compiled code takes the whole score tensor, as before: a loop over a length Dynamo keeps
+    symbolic (the CPU's compiled prefill) would pin that length. The prefills that reach the
+    bound (chapter 04's on a GPU) run eagerly."""
+    if softcap is None and window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    length = q.shape[2]
+    rows = length if torch.compiler.is_compiling() else query_chunk(
+        q.shape[0], q.shape[1], length, window, max_score_bytes or MAX_SCORE_BYTES)
+    if rows >= length:
+        return masked_attention(q, k, v, scale, window=window, softcap=softcap)
+    chunks = []
+    for start in range(0, length, rows):
+        end = min(length, start + rows)
+        first = 0 if window is None else max(0, start - window + 1)
+        chunks.append(masked_attention(q[:, :, start:end], k[:, :, first:end],
+                                       v[:, :, first:end], scale, start, first, window, softcap))
+    return torch.cat(chunks, dim=2)
