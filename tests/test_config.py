@@ -151,6 +151,17 @@ def test_the_default_preset_is_on_the_cpu_on_any_machine():
     assert load().device == "cpu"
 
 
+def test_a_run_says_where_it_runs_and_points_a_gpu_machine_to_the_gpu_preset(tmp_path,
+                                                                           monkeypatch):
+    from kit.execute.notebooks import device_line
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    assert device_line("cpu-small", load()) == "preset cpu-small: tiny (bfloat16) on the CPU"
+    smi = tmp_path / "nvidia-smi"  # what setup.sh and this line look for
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(0o755)
+    assert device_line("cpu-small", load()).endswith("--preset gpu runs the chapters on it")
+
+
 def test_sizes_parse():
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("512 MiB") == 512 * 2**20

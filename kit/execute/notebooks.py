@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -193,6 +194,16 @@ def run_notebooks(notebooks: list[Path], run_path: Path, nb_params: dict, summar
             (run_path / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
 
 
+def device_line(preset: str, settings) -> str:
+    """What the run runs, and where: said first, so that on a GPU machine the default preset's
+    CPU (it is calibrated there) is no surprise."""
+    where = "the GPU" if settings.device == "cuda" else "the CPU"
+    line = f"preset {preset}: {settings.arch.name} ({settings.dtype}) on {where}"
+    if settings.device == "cpu" and shutil.which("nvidia-smi"):
+        line += "; this machine has an NVIDIA GPU: --preset gpu runs the chapters on it"
+    return line
+
+
 def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None = None,
         out: Path | None = None, progress: bool = True,
         verbose: bool = False) -> tuple[int, Path | None]:
@@ -213,6 +224,7 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
                "versions": versions(), "log": LOG_NAME, "notebooks": [], "units": units}
     nb_params = {nb: {"preset": preset, **{k: v for k, v in params.items() if k in declared[nb]}}
                  for nb in notebooks}
+    print(device_line(preset, settings))
     animate = progress and not verbose and sys.stdout.isatty()
     run_notebooks(notebooks, run_path, nb_params, summary, animate, verbose)
     print_summary(summary["notebooks"], run_path)
