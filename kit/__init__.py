@@ -2,7 +2,8 @@
 
 Layers, each importing only from those below it (tests/test_layers.py checks it):
 
-    kit.cli       main, bench, bench_vllm, suite, new_checkpoint     python -m kit ...
+    kit.cli       main, bench, bench_vllm, suite, new_checkpoint, lab, setup_plan, validate,
+                  validate_steps                          python -m kit ..., ./setup.sh's plan
     kit.sweep     grid, driver                            a grid of runs on Ray
     kit.execute   notebooks, papermill_engine, progress, runlog: the chapters headless
     kit.pages     html, report, notebook_page, sweep_page what people read after a run
