@@ -55,7 +55,8 @@ class Step:
 STEPS = (Step("machine", "the device, the software, the compilers", 60),
          Step("probe", "exact allocation; what the first GEMM keeps", 60),
          Step("profiles", "chapter 01's eager and compiled profiles", 180),
-         Step("decode", "decode bench: eager, guard-free (CUDA graphs on a GPU), logits checked", 180),
+         Step("decode", "decode bench: eager, guard-free (CUDA graphs on a GPU), logits checked",
+              180),
          Step("profiler_table", "a decode step's profiler events per strategy", 90),
          Step("chapters", f"chapters {', '.join(CHAPTERS)} headless", 600))
 
