@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from kit.config import FAMILIES, ModelConfig
 from kit.engine.checkpoint import layout
 from kit.engine.layers.attention import paged_decode_attention, window_blocks
+from kit.engine.layers import prefill_attention as prefill_module
 from kit.engine.layers.prefill_attention import prefill_attention, query_chunk
 from kit.engine.layers.rotary import apply_rope, rope_cos_sin
 from kit.engine.model import build_model, dummy_batch, weights_bytes
@@ -173,7 +174,7 @@ def test_a_sliding_layer_reads_only_its_windows_blocks(window, block_size):
                                             (30, None)])
 @pytest.mark.parametrize("max_score_bytes", [1, 2 * 4 * 4 * 13 * 3, 2 * 4 * 4 * 7 * 6])
 def test_chunked_prefill_attention_equals_the_whole(heads, kv_heads, window, softcap,
-                                                    max_score_bytes):
+                                                    max_score_bytes, monkeypatch):
     """Queries in chunks, each against only the keys it can see, give the attention of the
     whole score tensor (up to float rounding): grouped, multi-query and multi-head, full with a
     cap, windowed with and without one; chunks of one query up to several, 13 not a multiple."""
@@ -184,7 +185,8 @@ def test_chunked_prefill_attention_equals_the_whole(heads, kv_heads, window, sof
     rows = query_chunk(2, heads, 13, window, max_score_bytes)
     assert 1 <= rows < 13  # the bound forces chunks
     whole = prefill_attention(q, k, v, 0.3, window, softcap)
-    chunked = prefill_attention(q, k, v, 0.3, window, softcap, max_score_bytes)
+    monkeypatch.setattr(prefill_module, "MAX_SCORE_BYTES", max_score_bytes)
+    chunked = prefill_attention(q, k, v, 0.3, window, softcap)
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
     ref = torch.stack([reference_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
                                            v[s].transpose(0, 1), 0.3, window, softcap)

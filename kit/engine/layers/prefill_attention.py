@@ -77,14 +77,14 @@ def masked_attention(q, k, v, scale: float, first_query: int = 0, first_key: int
 
 
 def prefill_attention(q, k, v, scale: float, window: int | None = None,
-                      softcap: float | None = None,
-                      max_score_bytes: int | None = None) -> torch.Tensor:
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal attention within each sequence: q [seqs, heads, len, dim], k and v [seqs, kv_heads,
     len, dim] -> [seqs, heads, len, dim]. Full attention without a cap is SDPA's causal kernel
     (memory linear in len); a window or a cap goes through `masked_attention`, its queries in
-    chunks (`query_chunk`) when the scores would pass `max_score_bytes` (default
-    MAX_SCORE_BYTES), each chunk against the keys from the first one its earliest query sees (a
-    window's start) to its own last query.
+    chunks (`query_chunk`) when the scores would pass MAX_SCORE_BYTES, each chunk against the
+    keys from the first one its earliest query sees (a window's start) to its own last query.
+    (The bound is the module's, not an argument: each argument with a default adds guards to
+    every compiled graph that inlines this function, which chapter 03 counts.)
 
     Compiled code takes the whole score tensor, as before: a loop over a length Dynamo keeps
     symbolic (the CPU's compiled prefill) would pin that length. The prefills that reach the
@@ -94,7 +94,7 @@ def prefill_attention(q, k, v, scale: float, window: int | None = None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     length = q.shape[2]
     rows = length if torch.compiler.is_compiling() else query_chunk(
-        q.shape[0], q.shape[1], length, window, max_score_bytes or MAX_SCORE_BYTES)
+        q.shape[0], q.shape[1], length, window, MAX_SCORE_BYTES)
     if rows >= length:
         return masked_attention(q, k, v, scale, window=window, softcap=softcap)
     chunks = []
