@@ -447,8 +447,8 @@ def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
 def test_a_prefill_past_the_score_bound_chunks_its_queries_to_the_same_run(key, monkeypatch):
     """With the bound on a prefill's score bytes forced low, the eager prefill takes its
     queries in chunks (the longest prompt's, not the shortest's) and the run's tokens and
-    logits are the unchunked run's; the CPU's compiled prefill keeps the whole score tensor
-    and still serves every prompt length with one graph."""
+    logits are the unchunked run's; the CPU's compiled prefill (checked on one of the two)
+    keeps the whole score tensor and still serves every prompt length with one graph."""
     from kit.engine.decode_runners import prefill_runner
     from kit.engine.layers import prefill_attention as scores
     a = ARCHS[key]
@@ -459,6 +459,8 @@ def test_a_prefill_past_the_score_bound_chunks_its_queries_to_the_same_run(key, 
     model, prompts, batch, chunked = paged_run(a, "float32")
     assert torch.equal(chunked.tokens, whole.tokens)
     torch.testing.assert_close(chunked.logits, whole.logits, rtol=1e-5, atol=1e-5)
+    if key != "window-gemma3":
+        return  # the compiled prefill's path is the same for both: one compile is enough
     prefill = prefill_runner(model, batch, prompts)
     compiled = generate(model, batch, prompts, STEPS, prefill=prefill)
     assert prefill.graphs_compiled == 1
