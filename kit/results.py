@@ -133,13 +133,14 @@ class Recorder:
         self.data["results"].update(plain(results, self.data["units"]))
         self._save()
 
-    def check(self, name: str, ok, detail: str = "") -> bool:
-        """Record a check; it fails the notebook at `finish()`, not here, so all are seen."""
+    def check(self, name: str, ok, detail: str = "") -> None:
+        """Record a check; it fails the notebook at `finish()`, not here, so all are seen. It
+        returns nothing, so that a cell ending with a check shows its PASS line and no stray
+        `True` beneath it."""
         ok = bool(ok)
         self.data["checks"].append({"name": name, "ok": ok, "detail": detail})
         self._save()
         print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f"  ({detail})" if detail else ""))
-        return ok
 
     def figure(self, name: str, fig):
         """Keep the figure's JSON with the run, and return it for display."""

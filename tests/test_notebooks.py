@@ -133,6 +133,38 @@ def test_notebooks_are_thin(path):
     assert not long, f"code cells (number: lines) over {MAX_CELL_LINES} lines: {long}"
 
 
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_figure_a_cell_makes_is_shown(path):
+    """A cell shows only its last expression: a `rec.figure(...)` (or any `*figure*` call) left
+    as a statement before another is recorded but never drawn in JupyterLab."""
+    hidden = []
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        body = ast.parse(cell.source).body if cell.cell_type == "code" else []
+        hidden += [f"cell {i}: {ast.unparse(s)[:60]}" for s in body[:-1]
+                   if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                   and "figure" in ast.unparse(s.value.func)]
+    assert not hidden, hidden
+
+
+def test_a_bad_parameter_reads_as_one_line_and_still_stops_the_run():
+    """In a kernel, a `ConfigError` from the settings cell is its one line (no traceback
+    through kit/config), the cell still fails (a headless run stops there), and an unexpected
+    error keeps its traceback."""
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3",
+                                                           "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_code_cell("block_size = 17\nimport kit\n"
+                                          "settings = kit.notebook_settings(globals())"),
+                nbformat.v4.new_code_cell("1 / 0")]
+    NotebookClient(nb, kernel_name="python3", allow_errors=True,  # run in this checkout
+                   resources={"metadata": {"path": str(NOTEBOOKS_DIR.parent)}}).execute()
+    [refusal], [other] = nb.cells[0].outputs, nb.cells[1].outputs
+    assert refusal.output_type == "error" and refusal.ename == "ConfigError"
+    assert refusal.traceback == [f"ConfigError: {refusal.evalue}"]
+    assert "block_size=17 must be a power of two" in refusal.evalue
+    assert other.ename == "ZeroDivisionError" and len(other.traceback) > 1
+
+
 def test_chapter_00_gives_a_verdict(cpu_small_run):
     """The setup check ends in READY (here) and knows what to do for every check it makes."""
     from kit.show.tables import Verdict

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
 from kit.config.model_config import ModelConfig
-from kit.errors import ConfigError
+from kit.errors import ConfigError, brief_in_notebooks
 from kit.units import Bytes, Count, Fraction, parse_bytes
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -198,6 +198,8 @@ def load(preset: str = DEFAULT_PRESET, **overrides) -> Settings:
 def notebook_settings(namespace: dict) -> Settings:
     """The settings of a notebook's parameters cell: `load(preset, **those parameters)`, read
     from `namespace` (the notebook's `globals()`, right after the parameters cell). A notebook
-    declares the parameters it takes; each one's None keeps the preset's value."""
+    declares the parameters it takes; each one's None keeps the preset's value. From here on a
+    `ConfigError` shows in the notebook as its one line (`kit.errors.brief_in_notebooks`)."""
+    brief_in_notebooks()
     params = {k: namespace[k] for k in PARAMETERS if k in namespace}
     return load(namespace.get("preset", DEFAULT_PRESET), **params)
