@@ -9,6 +9,8 @@ from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
 from kit.show.kv_cache_plots import kv_calculator as calculator_figure
+from kit.studies.kv_cache_sizing import (COMMON_DEVICES_GIB, fit_advice, missing_bytes,
+                                         start_capacity)
 from kit.units import GiB
 
 
@@ -61,15 +63,40 @@ def calculator_controls(settings, capacity_bytes: int, layer_patterns: dict) -> 
     return controls
 
 
-def numbers_html(calc) -> str:
+def numbers_html(calc, note: str = "") -> str:
     """The calculator's numbers in one line, vLLM's log line included
-    (`kv_cache_sizing.Calculation`)."""
-    s = calc.config
-    return (f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
+    (`kv_cache_sizing.Calculation`); when the model does not fit, by how much and what to
+    change instead (`fit_advice`); `note` (why the memory moved) below."""
+    s, advice = calc.config, fit_advice(calc)
+    line = (f"<b>{advice}</b>" if advice else
+            f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
             f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.layout.bytes_per_block:,} B per "
-            f"block · activations {calc.activations} · <code>{s.log_line()}</code>"
-            + ("" if calc.budget.kv_cache_bytes > 0
-               else " · <b>No available memory for the cache blocks</b>"))
+            f"block · activations {calc.activations} · <code>{s.log_line()}</code>")
+    return line + (f"<br><i>{note}</i>" if note else "")
+
+
+def memory_for_model(settings, capacity_bytes: int, compute, controls: dict) -> str:
+    """Move the memory slider where the chosen model can be served, and say why: the
+    notebook's own memory for its model; for another, unchanged if it fits there, else the
+    smallest common device that holds one request of max_model_len (`start_capacity`)."""
+    memory = controls["device_memory_gib"]
+    knobs = {k: c.value for k, c in controls.items() if k != "device_memory_gib"}
+    with memory.hold_trait_notifications():
+        if knobs["model"] in (settings.model, settings.arch.name):
+            memory.value = capacity_bytes / GiB
+            return ""
+        here = slider_bytes(memory.value, capacity_bytes)
+        if not missing_bytes(compute(**knobs, capacity_bytes=here)):
+            return ""
+        start = start_capacity(compute, knobs)
+        if start is None:
+            return (f"{knobs['model']} fits none of the common devices up to "
+                    f"{COMMON_DEVICES_GIB[-1]} GiB at these settings: raise tensor_parallel_size")
+        memory.value = start / GiB
+    return (f"device_memory moved to {start / GiB:g} GiB, the smallest common GPU memory "
+            f"({', '.join(map(str, COMMON_DEVICES_GIB))} GiB) that holds {knobs['model']}'s "
+            f"weights and one {knobs['max_model_len']:,}-token request (this notebook's "
+            f"device: {capacity_bytes / GiB:.3g} GiB)")
 
 
 def figure_output(fig) -> dict:
@@ -90,6 +117,8 @@ def kv_calculator(settings, capacity_bytes: int, compute, layer_patterns: dict):
     numbers.add_class("kit-calculator-numbers")
     out = w.Output()
 
+    note = [""]  # why the memory moved, shown until the next change of model
+
     def redraw(_=None):
         v = {k: c.value for k, c in controls.items()}
         try:
@@ -99,11 +128,16 @@ def kv_calculator(settings, capacity_bytes: int, compute, layer_patterns: dict):
             numbers.value = f"<b>{e}</b>"
             out.outputs = ()
             return
-        numbers.value = numbers_html(calc)
-        out.outputs = (figure_output(calculator_figure(calc)),)
+        numbers.value = numbers_html(calc, note[0])
+        out.outputs = (figure_output(calculator_figure(calc)),) if calc.config.num_blocks \
+            else ()
 
-    for control in controls.values():
-        control.observe(redraw, names="value")
+    def model_changed(change):
+        note[0] = memory_for_model(settings, capacity_bytes, compute, controls)
+        redraw()
+
+    for name, control in controls.items():
+        control.observe(model_changed if name == "model" else redraw, names="value")
     redraw()
     box = w.VBox([*controls.values(), numbers, out])
     display(box)

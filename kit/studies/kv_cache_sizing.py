@@ -4,6 +4,8 @@ calculator behind the chapter's widget, and the PR's Gemma-2B blocks turned into
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from kit.config import ModelConfig, Settings, reference, with_layer_pattern
@@ -12,7 +14,7 @@ from kit.engine.budget import MemoryBudget, estimate_activation_bytes, weights_b
 from kit.engine.kv_cache import (KVCacheConfig, KVCacheLayout, device_label, in_flight_tokens,
                                  kv_cache_config)
 from kit.errors import ConfigError
-from kit.units import Bytes, Count, Ratio
+from kit.units import Bytes, Count, GiB, Ratio
 
 # The calculator's layer patterns: every n-th layer full attention, the rest sliding (0: the
 # model's own layers, 1: every layer full, None: every layer sliding).
@@ -139,6 +141,47 @@ def calculator(settings: Settings, measured_activation_bytes: int):
     def compute(**knobs) -> Calculation:
         return calculate(settings, measured_activation_bytes, **knobs)
     return compute
+
+
+# Memory of common accelerators, GiB (T4/V100 16, L4/A10 24, A100 40, L40S 48, A100/H100 80,
+# H100 NVL 94, H200 141, B200 192): where the calculator opens for a model that does not fit.
+COMMON_DEVICES_GIB = (16, 24, 40, 48, 80, 94, 141, 192)
+
+
+def missing_bytes(calc: Calculation) -> int:
+    """What the KV cache lacks to hold one request of max_model_len (vLLM refuses to start
+    below that): 0 when it does."""
+    need = calc.config.layout.request_bytes(calc.config.max_model_len,
+                                            calc.config.in_flight_tokens)
+    return max(0, need - calc.budget.kv_cache_bytes)
+
+
+def fit_advice(calc: Calculation) -> str | None:
+    """When the KV cache cannot hold one request of max_model_len: by how much, and the
+    device memory that would (at this gpu_memory_utilization); None when it can."""
+    short = missing_bytes(calc)
+    if not short:
+        return None
+    b = calc.budget
+    capacity = math.ceil((b.non_kv_cache_bytes + b.kv_cache_bytes + short) /
+                         b.gpu_memory_utilization)
+    return (f"Does not fit: weights {b.weights_bytes / GiB:,.2f} GiB + activations "
+            f"{b.activation_bytes / GiB:,.2f} GiB leave {max(0, b.kv_cache_bytes) / GiB:,.2f} "
+            f"GiB of the {b.budget_bytes / GiB:,.2f} GiB budget (capacity × "
+            f"gpu_memory_utilization), {short / GiB:,.2f} GiB short of one "
+            f"{calc.config.max_model_len:,}-token request. Give device_memory at least "
+            f"{capacity / GiB:,.2f} GiB, or raise gpu_memory_utilization or "
+            "tensor_parallel_size, or lower max_model_len.")
+
+
+def start_capacity(compute, knobs: dict) -> int | None:
+    """Where the calculator's memory opens for a model (`compute`: the calculator; `knobs`:
+    its other values): the smallest common device (COMMON_DEVICES_GIB) whose KV cache holds
+    one request of max_model_len, or None when none does."""
+    for gib in COMMON_DEVICES_GIB:
+        if not missing_bytes(compute(**knobs, capacity_bytes=gib * GiB)):
+            return gib * GiB
+    return None
 
 
 def calculate_for_settings(settings: Settings, capacity: int,
