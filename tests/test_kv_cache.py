@@ -251,3 +251,20 @@ def test_the_calculator_moves_its_memory_to_where_a_chosen_model_is_served():
     assert "Does not fit" not in numbers.value and "KV cache size" in numbers.value
     model.value = s.model
     assert memory.value * GiB == 96 * 2**20 and "moved" not in numbers.value
+
+
+def test_the_calculator_says_which_block_it_sizes_at_and_what_windowed_tokens_are():
+    """On the CPU a windowed model's cache runs at 32-token blocks whatever block_size says,
+    and its tokens grow with max_model_len at fixed blocks: both said under the numbers."""
+    from kit.show.widgets import numbers_html
+    s = load("cpu-small")
+    knobs = dict(model="gemma-3-1b", capacity_bytes=24 * GiB, gpu_memory_utilization=0.9,
+                 block_size=16, kv_cache_dtype="auto")
+    short, long = (calculate(s, 10 * 2**20, max_model_len=n, **knobs) for n in (1024, 8192))
+    assert short.config.layout.block_size == 32
+    html = numbers_html(short)
+    assert "block_size 16 runs as 32" in html and "tokens = concurrency × max_model_len" in html
+    assert long.config.num_tokens > short.config.num_tokens  # the same memory, more tokens
+    dense = numbers_html(calculate(s, 10 * 2**20, max_model_len=1024,
+                                   **{**knobs, "model": "llama-3.2-1b"}))
+    assert "runs as" not in dense and "tokens = concurrency" not in dense

@@ -72,7 +72,20 @@ def numbers_html(calc, note: str = "") -> str:
             f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
             f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.layout.bytes_per_block:,} B per "
             f"block · activations {calc.activations} · <code>{s.log_line()}</code>")
-    return line + (f"<br><i>{note}</i>" if note else "")
+    notes = [n for n in (note, s.layout.block_size_note(), windowed_tokens_note(calc)) if n]
+    return line + "".join(f"<br><i>{n}</i>" for n in notes)
+
+
+def windowed_tokens_note(calc) -> str | None:
+    """Why, with sliding windows, "tokens" moves with max_model_len at a fixed number of
+    blocks (None without windows or when nothing fits)."""
+    s = calc.config
+    if not s.layout.has_windows or not s.num_blocks:
+        return None
+    return (f"tokens = concurrency × max_model_len ({s.max_concurrency:.2f} × "
+            f"{s.max_model_len:,}), vLLM's definition: a sliding layer keeps only its window of "
+            "each request, so a longer max_model_len costs a request few more blocks and the "
+            "same blocks count more tokens")
 
 
 def memory_for_model(settings, capacity_bytes: int, compute, controls: dict) -> str:
