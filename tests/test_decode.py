@@ -544,3 +544,22 @@ def test_the_compute_floor_uses_float32s_rate_where_16_bit_products_are_emulated
                               dtype_speed=None)
     rate = DecodeReport.compute_rate.fget
     assert (rate(emulated), rate(native), rate(float32)) == (150e9, 600e9, 150e9)
+
+
+def test_a_strategys_share_of_its_floor_follows_from_the_numbers_shown():
+    """The roofline table's % is the floor it shows over the median it shows (not a median of
+    per-step ratios over one run), and a step under its floor is flagged, in the table and the
+    figure, as a measurement to repeat."""
+    from kit.show.plots import floor_percent
+    from kit.show.tables import floor_cell
+    from kit.studies.decode_timing import StrategyTiming
+    slow = StrategyTiming("eager", 4, runs=[[2e-3, 2e-3, 9e-3], [2e-3, 2e-3, 2e-3]],
+                          floor_seconds=[1e-3, 1e-3, 1.2e-3])
+    assert slow.median == 2e-3 and slow.median_floor_seconds == 1e-3
+    assert slow.percent_of_floor == pytest.approx(50) and not slow.faster_than_floor
+    assert floor_cell(slow) == "50%"
+    fast = StrategyTiming("guard_free", 4, runs=[[1.41e-3] * 3], floor_seconds=[1.53e-3] * 3)
+    assert fast.faster_than_floor and fast.percent_of_floor == pytest.approx(108.5, abs=0.1)
+    assert floor_cell(fast) == "109% (faster than its floor: repeat the measurement)"
+    bars = floor_percent({"eager": slow, "guard_free": fast}).data[0]
+    assert list(bars.text) == ["50%", "109% faster than the floor: repeat"]

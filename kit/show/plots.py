@@ -103,11 +103,14 @@ def step_box(timings: dict) -> go.Figure:
 
 
 def floor_percent(timings: dict) -> go.Figure:
-    """Bandwidth floor as % of each strategy's step time (100% = as fast as a plain copy)."""
+    """Bandwidth floor as % of each strategy's median step, floor ÷ median as the tables show
+    them (100% = as fast as a plain copy; a bar over it is flagged as a measurement to
+    repeat)."""
     names = list(timings)
     values = [timings[n].percent_of_floor for n in names]
-    fig = go.Figure(go.Bar(x=names, y=values, text=[f"{v:.0f}%" for v in values],
-                           marker_color=COLORS["KV cache"]))
+    text = [f"{v:.0f}%" + (" faster than the floor: repeat" if timings[n].faster_than_floor
+                           else "") for n, v in zip(names, values)]
+    fig = go.Figure(go.Bar(x=names, y=values, text=text, marker_color=COLORS["KV cache"]))
     fig.add_hline(y=100, line_dash="dash", annotation_text="the floor")
     fig.update_layout(yaxis_title="% of the bandwidth floor (median step)",
                       title="How close each strategy gets to the memory-bandwidth limit")
@@ -181,12 +184,18 @@ def batch_size_trace(sizes: list[int]) -> go.Figure:
 
 def step_vs_context(curves) -> go.Figure:
     """Median decode step (ms) against context length, one line per variant (`ContextCurve`),
+    the p10–p90 of its steps as error bars (on a busy machine the spread, not a jumping line),
     each one's bandwidth floor dotted beneath in its colour."""
     fig = go.Figure()
     palette = ["#4c72b0", "#c44e52", "#55a868", "#8172b2"]
     for curve, color in zip(curves, palette):
+        low, high = curve.quantiles(0.1), curve.quantiles(0.9)
         fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.medians], name=curve.label,
-                        mode="lines+markers", line_color=color)
+                        mode="lines+markers", line_color=color,
+                        error_y=dict(type="data", symmetric=False,  # p10 to p90 of the steps
+                                     array=[(h - m) * 1e3 for h, m in zip(high, curve.medians)],
+                                     arrayminus=[(m - lo) * 1e3
+                                                 for lo, m in zip(low, curve.medians)]))
         fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.floors], mode="lines",
                         name=f"floor: {curve.label}", line=dict(color=color, dash="dot"))
     fig.update_xaxes(type="log", title_text="context length (tokens per sequence)",

@@ -110,13 +110,25 @@ class StrategyTiming:
         return self.num_seqs * (len(self.runs[0]) + 1) / self.end_to_end_seconds
 
     @property
+    def median_floor_seconds(self) -> float | None:
+        """The bandwidth floor of the median step (the floor grows with the context, step by
+        step, so the median of the floors is the median step's)."""
+        return statistics.median(self.floor_seconds) if self.floor_seconds else None
+
+    @property
     def percent_of_floor(self) -> float | None:
-        """The bandwidth floor as % of the measured step time (median over the steps): 100%
-        means the step moves its bytes as fast as a plain copy does."""
+        """The floor as % of the median step, both as the tables show them (floor ÷ median):
+        100% means the step moves its bytes as fast as a plain copy does; over 100%, a step
+        faster than its floor, is a measurement to repeat (`faster_than_floor`)."""
         if not self.floor_seconds:
             return None
-        return 100 * statistics.median(f / s for f, s in zip(self.floor_seconds,
-                                                              self.step_seconds))
+        return 100 * self.median_floor_seconds / self.median
+
+    @property
+    def faster_than_floor(self) -> bool:
+        """A median step under its bandwidth floor: the copy bandwidth was measured low (a busy
+        neighbour during its probe), or the step moved fewer bytes than counted. Repeat it."""
+        return bool(self.percent_of_floor and self.percent_of_floor > 100)
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "prefill": self.prefill,
@@ -244,8 +256,8 @@ class DecodeReport:
 
     @property
     def median_floor_seconds(self) -> float:
-        """The bandwidth floor of the median step."""
-        return self.floor_seconds[len(self.costs) // 2]
+        """The bandwidth floor of the median step (as each strategy's, `StrategyTiming`)."""
+        return statistics.median(self.floor_seconds)
 
     @property
     def compute_floor_seconds(self) -> float:

@@ -20,7 +20,7 @@ from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
-from kit.measure.timing import StepClock
+from kit.measure.timing import StepClock, Timings
 from kit.units import Count, Seconds
 
 STEPS = 4  # decode steps timed per round
@@ -42,6 +42,10 @@ class ContextCurve:
     @property
     def medians(self) -> list[float]:
         return [statistics.median(self.steps[n]) for n in self.lengths]
+
+    def quantiles(self, q: float) -> list[float]:
+        """The q-quantile of the steps timed at each length (`Timings.quantile`)."""
+        return [Timings(self.steps[n]).quantile(q) for n in self.lengths]
 
     def summary(self) -> dict:
         return {"label": self.label, "lengths": Count.of(self.lengths),
