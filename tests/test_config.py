@@ -1,10 +1,15 @@
 import json
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 
-from kit.config import DEFAULT_PRESET, PARAMETERS, ModelConfig, load, read_preset
+from kit.config import (DATA, DEFAULT_PRESET, MODELS_DIR, PARAMETERS, ModelConfig, known_names,
+                        load, read_preset)
 from kit.units import parse_bytes
 from kit.errors import ConfigError
+from kit.vllm.model_folder import cached_model_folder
 
 # Published parameter counts of the real checkpoints these shapes come from.
 PUBLISHED_PARAMETERS = {"gemma-2b": 2_506_172_416, "llama-3.2-1b": 1_235_814_400,
@@ -212,3 +217,89 @@ def test_keys_left_out_read_as_transformers_reads_them(family):
         params = ref.rope_parameters
         assert (kit_cfg.layer_rope_theta(0), kit_cfg.layer_rope_theta(5)) == (
             params["sliding_attention"]["rope_theta"], params["full_attention"]["rope_theta"])
+
+
+# A model by its Hugging Face id: the Hub is offline and its cache a temporary folder, in this
+# process (huggingface_hub reads its environment once, when first imported: its constants are
+# set too) and in the processes a test starts. No test here reaches the network.
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    cache = tmp_path / "hf" / "hub"
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def cache_config(cache, repo_id: str, hf: dict | None) -> None:
+    """`repo_id` at COMMIT in the cache's layout, as hf_hub_download leaves it: the file under
+    snapshots/<commit>/, refs/main naming the commit; hf None: the cache remembers that the
+    repository has no config.json (.no_exist/<commit>/config.json)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    where = repo / ("snapshots" if hf is not None else ".no_exist") / COMMIT / "config.json"
+    where.parent.mkdir(parents=True)
+    where.write_text(json.dumps(hf) if hf is not None else "")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+
+
+def test_a_hub_id_reads_its_config_json_from_the_cache(hub_cache):
+    from huggingface_hub import hf_hub_download
+    published = json.loads((DATA / "models" / "qwen3-0.6b.json").read_text())
+    cache_config(hub_cache, "Qwen/Qwen3-0.6B", published)
+    # the layout is the one huggingface_hub itself reads, offline
+    assert hf_hub_download("Qwen/Qwen3-0.6B", "config.json") == \
+        str(hub_cache / "models--Qwen--Qwen3-0.6B" / "snapshots" / COMMIT / "config.json")
+    s = load("cpu-small", model="Qwen/Qwen3-0.6B")
+    assert s.model == s.arch.name == "Qwen/Qwen3-0.6B"
+    assert s.arch == replace(ModelConfig.load("qwen3-0.6b"), name="Qwen/Qwen3-0.6B")
+    assert s.arch.checkpoint is None  # the kit never downloads weights: random ones
+    # vLLM's model folder (chapter 05) and its logs name the id as one folder name
+    assert cached_model_folder(s.arch).name.startswith("Qwen--Qwen3-0.6B-")
+
+
+def test_a_hub_id_not_in_the_cache_with_the_hub_offline_is_one_clear_message(hub_cache):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.load("nope/nothing")
+    assert str(e.value) == (
+        f"model 'nope/nothing': the Hub is offline (HF_HUB_OFFLINE=1) and its config.json is "
+        f"not in the Hugging Face cache {hub_cache} (fetch it once with the network on); instead "
+        f"give one of {known_names(MODELS_DIR)} (data/models/), or the path of a Hugging Face "
+        "style config.json or of a model folder")
+
+
+def test_a_hub_id_whose_repository_has_no_config_json_says_so(hub_cache):
+    cache_config(hub_cache, "someone/weights-only", None)
+    with pytest.raises(ConfigError, match="'someone/weights-only': its repository on the Hub "
+                       r"holds no config.json \(as the cache remembers\); instead give one of"):
+        ModelConfig.load("someone/weights-only")
+
+
+def test_a_local_path_wins_over_a_hub_id_of_the_same_spelling(hub_cache, tmp_path, monkeypatch):
+    cache_config(hub_cache, "org/name", ModelConfig.load("qwen3-0.6b").hf_dict())
+    folder = tmp_path / "org" / "name"
+    folder.mkdir(parents=True)
+    write_config(folder)  # tiny's shape
+    monkeypatch.chdir(tmp_path)
+    arch = ModelConfig.load("org/name")
+    assert (arch.name, arch.hidden_size) == ("name", ModelConfig.load("tiny").hidden_size)
+    with pytest.raises(ConfigError, match="unknown model 'org/name.json'"):
+        ModelConfig.load("org/name.json")  # a name ending in .json is a path, never an id
+
+
+def test_kit_run_refuses_an_unknown_hub_id_before_any_notebook(hub_cache, tmp_path):
+    """One line on stderr, exit status 2, no traceback, no run folder (no kernel started)."""
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "kit", "run", "02", "-p", "model=nope/nothing",
+                           "--no-progress", "--out", str(out)], cwd=DATA.parent,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and not out.exists()
+    assert done.stderr.startswith("error: model 'nope/nothing': the Hub is offline") \
+        and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 from kit.config.data import MODELS_DIR, known_names
 from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
                                  check_keys, layer_types, rope, with_family_defaults)
+from kit.config.hub import hub_config, is_hub_id
 from kit.errors import ConfigError
 
 
@@ -89,9 +90,14 @@ class ModelConfig:
     @classmethod
     def load(cls, model: str) -> "ModelConfig":
         """`model` is a preset name (a file under data/models/), a path to a config.json
-        (random weights), or a checkpoint folder: its config.json, and its weights when it
-        holds `*.safetensors` (see `checkpoint_files`)."""
+        (random weights), a checkpoint folder (its config.json, and its weights when it holds
+        `*.safetensors`: see `checkpoint_files`), or a Hugging Face id such as
+        `Qwen/Qwen3-0.6B` (its config.json alone, through the Hub's cache: `hub_config`;
+        random weights). A local path wins over an id of the same spelling."""
         path, checkpoint = Path(model), None
+        if is_hub_id(model) and not path.exists():
+            hf = json.loads(hub_config(model, f"instead give {local_models()}").read_text())
+            return cls.from_dict(hf, model)
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ConfigError(f"model folder {model!r} holds no config.json; a checkpoint "
@@ -101,8 +107,8 @@ class ModelConfig:
         if not path.is_file():
             path = MODELS_DIR / f"{model}.json"
         if not path.is_file():
-            raise ConfigError(f"unknown model {model!r}: give one of {known_names(MODELS_DIR)} "
-                              "or the path of a Hugging Face style config.json")
+            raise ConfigError(f"unknown model {model!r}: give {local_models()}, or a Hugging Face "
+                              "id such as Qwen/Qwen3-0.6B")
         name = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_dict(json.loads(path.read_text()), name, checkpoint)
 
@@ -196,6 +202,12 @@ class ModelConfig:
             keys["rope_local_base_freq"] = self.rope_local_base_freq
         return keys
 
+
+
+def local_models() -> str:
+    """The local ways to give a model, for the messages that refuse one."""
+    return (f"one of {known_names(MODELS_DIR)} (data/models/), or the path of a Hugging Face "
+            "style config.json or of a model folder")
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

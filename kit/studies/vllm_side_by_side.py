@@ -26,7 +26,7 @@ from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
 from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer, vllm_kv_sizing
-from kit.vllm.model_folder import write_model_folder
+from kit.vllm.model_folder import safe_name, write_model_folder
 from kit.units import Bytes, Count, Ratio, Seconds, parse_bytes, typed
 
 
@@ -120,8 +120,8 @@ def sizer_or_none(settings, folder: Path) -> VLLMSizer | None:
     if vllm_missing():
         return None
     try:
-        return VLLMSizer.build(write_model_folder(settings.arch, folder / settings.arch.name),
-                               block_size=settings.block_size,
+        model = write_model_folder(settings.arch, folder / safe_name(settings.arch.name))
+        return VLLMSizer.build(model, block_size=settings.block_size,
                                max_model_len=settings.max_model_len,
                                kv_cache_dtype=settings.kv_cache_dtype, dtype=settings.dtype,
                                tensor_parallel_size=settings.tensor_parallel_size)

@@ -34,7 +34,7 @@ from kit.vllm.installed import in_process, vllm_missing
 from kit.vllm.kv_sizing import engine_config
 from kit.vllm.model_specs import model_kv_specs
 from kit.vllm.log import captured_vllm_log, fail_message, format_records, phase_seconds
-from kit.vllm.model_folder import write_model_folder
+from kit.vllm.model_folder import safe_name, write_model_folder
 
 MODES = ("eager", "compiled")
 RUN_QUANTITIES = {  # what `EngineRun`'s numbers measure
@@ -109,7 +109,7 @@ class EngineRun:
 
     def save_log(self, folder: Path) -> Path:
         """Write the engine's start-up log next to the run's results."""
-        path = Path(folder) / f"vllm-{self.model}-{self.mode}.log"
+        path = Path(folder) / f"vllm-{safe_name(self.model)}-{self.mode}.log"
         path.write_text("\n".join(self.log) + "\n")
         return path
 
@@ -318,7 +318,7 @@ def run_settings(settings, mode: str, folder: Path | None = None, *, block_size:
     if profile_memory:
         settings = replace(settings, kv_cache_memory_bytes=None)
         kv_cache_memory_bytes = None
-    model = write_model_folder(arch, folder and Path(folder) / arch.name)
+    model = write_model_folder(arch, folder and Path(folder) / safe_name(arch.name))
     return run_engine(
         model, mode, name=arch.name, vocab_size=arch.vocab_size, repeats=repeats,
         decode=(settings.batch_size, settings.input_len, settings.output_len) if decode else None,

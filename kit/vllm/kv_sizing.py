@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kit.vllm.installed import vllm_missing
 from kit.vllm.log import captured_vllm_log, fail_message, logged_once
-from kit.vllm.model_folder import write_model_folder
+from kit.vllm.model_folder import safe_name, write_model_folder
 from kit.vllm.model_specs import model_kv_specs
 
 
@@ -157,7 +157,7 @@ def vllm_kv_sizing(arch, budget_bytes: int, *, block_size: int, max_model_len: i
     if missing:
         return _missing(block_size, missing)
     with tempfile.TemporaryDirectory(prefix="kit-vllm-") as tmp:
-        model = write_model_folder(arch, Path(folder or tmp) / arch.name)
+        model = write_model_folder(arch, Path(folder or tmp) / safe_name(arch.name))
         return vllm_kv_sizing_for_folder(
             model, budget_bytes, block_size=block_size, max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,

@@ -13,10 +13,16 @@ from pathlib import Path
 MODELS_CACHE = Path(os.environ.get("KIT_CACHE_DIR", Path.home() / ".cache" / "kit")) / "vllm-models"
 
 
+def safe_name(name: str) -> str:
+    """A model's name as one folder or file name: a Hugging Face id's `/` becomes `--`, as the
+    Hub's own cache writes it (`Qwen/Qwen3-0.6B` -> `Qwen--Qwen3-0.6B`)."""
+    return name.replace("/", "--")
+
+
 def cached_model_folder(arch) -> Path:
     """`MODELS_CACHE/<name>-<hash of its config.json>`: a stable path per configuration."""
     digest = hashlib.sha256(json.dumps(arch.hf_dict(), sort_keys=True).encode()).hexdigest()
-    return MODELS_CACHE / f"{arch.name}-{digest[:10]}"
+    return MODELS_CACHE / f"{safe_name(arch.name)}-{digest[:10]}"
 
 
 def write_model_folder(arch, folder: Path | None = None) -> Path:
