@@ -107,7 +107,7 @@ def test_wheel_folder_installs_the_headless_set_offline_over_the_base_torch():
     assert plan.steps[1] == (*index, "--no-deps", "-e", ".")
     names = {r.split(">")[0] for r in plan.steps[0][4:]}
     assert names == {"numpy", "ipykernel", "ipywidgets", "plotly", "papermill", "nbformat",
-                     "nbconvert", "safetensors", "nbclient"}
+                     "nbconvert", "safetensors", "huggingface_hub", "nbclient"}
     assert plan.reuse_torch and plan.vllm is None and plan.extras == "" and not plan.chromium
     assert plan.base_pth and plan.venv_args == ("--system-site-packages",)
     assert "not installed offline: jupyterlab" in said(plan)
