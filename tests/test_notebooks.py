@@ -3,6 +3,8 @@
 import ast
 import json
 import re
+import shutil
+import subprocess
 
 import nbformat
 import pytest
@@ -184,27 +186,67 @@ def test_chapter_00_gives_a_verdict(cpu_small_run):
     assert "C++ compiler" in repr(verdict) and "NOT READY" in Verdict(verdict)._repr_html_()
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
-def test_saving_a_run_chapter_gives_back_the_stored_file(path):
-    """What JupyterLab sends when a learner saves a chapter they ran (outputs, counts, run
-    metadata, widget state, their Python's version), through `kit lab`'s pre-save hook and
-    jupyter_server's writer: the stored file, byte for byte (git shows nothing)."""
-    from kit.execute.stored_notebooks import pre_save_hook
+def as_saved_after_a_run(path) -> str:
+    """The chapter as JupyterLab's save writes it after a participant ran it: outputs (text,
+    HTML, a widget), counts, run metadata, widget state and their Python's version, written by
+    nbformat as jupyter_server writes it (sources sent as one string each)."""
     nb = json.loads(path.read_text())
     nb["metadata"]["language_info"]["version"] = "3.11.7"
     nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
     for i, cell in enumerate(nb["cells"]):
+        cell["source"] = "".join(cell["source"])
         cell["metadata"].update(execution={"iopub.status.busy": "2026-12-04T10:00:00Z"},
                                 scrolled=True, trusted=True)
         if cell["cell_type"] == "code":
             cell["execution_count"] = i
-            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "hello\n"}]
-    other = {"type": "notebook", "content": json.loads(json.dumps(nb))}
-    model = {"type": "notebook", "content": nb}
-    pre_save_hook(model=model, path=path.name, contents_manager=None)
-    assert nbformat.writes(nbformat.from_dict(model["content"])) + "\n" == path.read_text()
-    pre_save_hook(model=other, path=f"mine/{path.name}", contents_manager=None)
-    assert other["content"]["metadata"]["language_info"]["version"] == "3.11.7"  # not a chapter
+            cell["outputs"] = [
+                {"output_type": "stream", "name": "stdout", "text": "hello\nworld\n"},
+                {"output_type": "display_data", "metadata": {}, "data": {
+                    "text/html": "<table>\n<tr><td>1</td></tr>\n</table>", "text/plain": "T",
+                    "application/vnd.jupyter.widget-view+json": {"model_id": "ab12"}}}]
+    return nbformat.writes(nbformat.from_dict(nb)) + "\n"
+
+
+def git(repo, *args) -> str:
+    return subprocess.run(["git", "-c", "user.name=kit", "-c", "user.email=kit@example.org",
+                           *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def test_git_stores_a_run_chapter_as_the_stored_file(tmp_path):
+    """Every chapter saved after a run, added in a clone whose filter is configured as
+    ./setup.sh configures it (this .gitattributes, `stored_notebooks.py --git-config`): git
+    stores the chapter in git byte for byte; once committed, a later save with other outputs
+    shows nothing in `git diff`, and nothing to commit once added (`git status` lists a file
+    whose size changed before it runs the filter). The file itself keeps its outputs."""
+    from kit.execute.stored_notebooks import GIT_FILTER, git_config
+    root = NOTEBOOKS_DIR.parent
+    assert f"notebooks/*.ipynb filter={GIT_FILTER}" in (root / ".gitattributes").read_text()
+    git(tmp_path, "init", "-q")
+    shutil.copy(root / ".gitattributes", tmp_path)
+    (tmp_path / "kit" / "execute").mkdir(parents=True)
+    shutil.copy(root / "kit" / "execute" / "stored_notebooks.py", tmp_path / "kit" / "execute")
+    git_config(tmp_path)
+    (tmp_path / "notebooks").mkdir()
+    chapters = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+    for path in chapters:
+        (tmp_path / "notebooks" / path.name).write_text(as_saved_after_a_run(path))
+    git(tmp_path / "notebooks", "add", ".")  # from a subfolder: git runs the filter at the top
+    for path in chapters:
+        assert git(tmp_path, "show", f":notebooks/{path.name}") == path.read_text(), path.name
+        assert '"outputs": []' not in (tmp_path / "notebooks" / path.name).read_text()
+    git(tmp_path, "commit", "-q", "-m", "chapters")
+    for path in chapters:
+        again = tmp_path / "notebooks" / path.name
+        again.write_text(again.read_text().replace("hello", "hello again"))
+    assert git(tmp_path, "diff", "notebooks") == ""
+    git(tmp_path, "add", "notebooks")
+    assert git(tmp_path, "status", "--porcelain", "notebooks") == ""
+
+
+def test_the_clean_step_passes_what_is_not_a_notebook_unchanged():
+    from kit.execute.stored_notebooks import clean
+    for data in (b"", b"not json {", b'{"cells": 3}', b"[1, 2]"):
+        assert clean(data) == data
 
 
 def numbers_without_unit(results, units: dict, prefix: str = "") -> list[str]:

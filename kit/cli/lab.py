@@ -1,8 +1,10 @@
-"""`python -m kit lab [--ip IP] [--port N] [--no-browser]`: JupyterLab on the chapters, with the
-kit's environment as the kernel. It checks the address before starting, works as root, prints
-the address to open (with its token, and how to reach it from another machine) and keeps
-JupyterLab's "get notified about news?" pop-up off. Jupyter is imported by the child process,
-not by the CLI."""
+"""`python -m kit lab [--ip IP] [--port N] [--no-browser] [--fresh [CHAPTER ...]] [--work DIR]`:
+JupyterLab on the participant's own copies of the chapters (`kit.cli.working_copies`: made in
+runs/lab/ on the first start, kept as they were saved on every later one), with the kit's
+environment as the kernel. It checks the address before starting, works as root, prints the
+address to open (with its token, and how to reach it from another machine) and where the copies
+are, and keeps JupyterLab's "get notified about news?" pop-up off. Jupyter is imported by the
+child process, not by the CLI."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,9 @@ import socket
 import sys
 from pathlib import Path
 
+from kit.cli.working_copies import WORK_DIR, make_copies, where_your_work_is
 from kit.errors import ConfigError
-from kit.execute.notebooks import NOTEBOOKS_DIR
+from kit.execute.notebooks import kernel_env
 # JupyterLab's settings for its news and update checks, as an environment-wide override (a file
 # of its own under overrides.d, beside any overrides.json of the user's).
 NEWS_OFF = {"@jupyterlab/apputils-extension:notification":
@@ -27,6 +30,11 @@ def add_cli(sub) -> None:
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8888, help="port (default 8888)")
     p.add_argument("--no-browser", action="store_true", help="do not open a browser here")
+    p.add_argument("--fresh", nargs="*", metavar="CHAPTER",
+                   help="start over: copy these chapters (all when none is named) from "
+                        "notebooks/ again, setting your copies aside")
+    p.add_argument("--work", type=Path, default=WORK_DIR, metavar="DIR",
+                   help=f"the folder of your copies (default {WORK_DIR})")
     p.set_defaults(func=lab)
 
 
@@ -66,13 +74,12 @@ def addresses(ip: str, port: int, token: str) -> list[str]:
 
 
 def lab_command(ip: str, port: int, token: str, open_browser: bool,
-                root: Path = NOTEBOOKS_DIR) -> list[str]:
-    """JupyterLab's command line; a chapter saved from it is saved stripped of its outputs
-    (`kit.execute.stored_notebooks.pre_save_hook`), so running and saving never changes the file."""
+                root: Path = WORK_DIR) -> list[str]:
+    """JupyterLab's command line, serving `root` (the working copies): a notebook is saved
+    there as it is, outputs included."""
     cmd = [sys.executable, "-m", "jupyterlab", f"--ip={ip}", f"--port={port}",
            "--port-retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}",
-           "--ContentsManager.pre_save_hook=kit.execute.stored_notebooks.pre_save_hook",
            "--ServerApp.log_level=WARN", "--LabApp.log_level=WARN"]  # the address is printed here
     if not open_browser:
         cmd.append("--no-browser")
@@ -85,13 +92,17 @@ def lab(args) -> int:
     check_address(args.ip, args.port)
     token = os.environ.get("JUPYTER_TOKEN") or secrets.token_hex(24)
     quiet_news()
-    print(f"JupyterLab on {NOTEBOOKS_DIR} (kernel: {sys.executable}). Open:")
+    copies = make_copies(args.work.resolve(), args.fresh)
+    print(f"JupyterLab on {copies.folder} (kernel: {sys.executable}). Open:")
     for url in addresses(args.ip, args.port, token):
         print(f"  {url}")
     if args.ip in LOCAL:
         print(f"From another machine: ssh -L {args.port}:localhost:{args.port} <this machine>, "
               f"then open the first address there (or start with --ip 0.0.0.0).")
+    print(*where_your_work_is(copies), sep="\n")
     print("Start with 00_setup_check (Run → Run All Cells). Ctrl-C twice stops JupyterLab.",
           flush=True)
-    # JupyterLab takes this process's place: Ctrl-C and signals reach it directly
-    os.execv(sys.executable, lab_command(args.ip, args.port, token, not args.no_browser))
+    # JupyterLab takes this process's place: Ctrl-C and signals reach it directly. Its kernels
+    # import this checkout's kit, wherever the copies are.
+    os.execve(sys.executable, lab_command(args.ip, args.port, token, not args.no_browser,
+                                          copies.folder), kernel_env())
