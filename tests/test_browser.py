@@ -292,6 +292,34 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
         w.close()
 
 
+def test_a_bad_parameter_reads_as_one_line_in_jupyterlab(browser, lab, artifact):
+    """A participant's mistake in the parameters cell (`block_size = 17`) shows under the
+    settings cell as the kit's one-line message, no traceback through kit/config."""
+    import nbformat
+    chapter = nbformat.read(NOTEBOOKS_DIR / "02_kv_cache.ipynb", as_version=4)
+    code = [c for c in chapter.cells if c.cell_type == "code"][:2]  # parameters, settings
+    code[0].source = code[0].source.replace("block_size = None", "block_size = 17", 1)
+    assert "block_size = 17" in code[0].source
+    chapter.cells = code
+    nbformat.write(chapter, lab.root / "bad_parameter.ipynb")
+    w = Watched(browser, (lab.url,))
+    page = w.page
+    try:
+        page.goto(f"{lab.url}/lab/tree/bad_parameter.ipynb?token={lab.token}")
+        page.get_by_text(re.compile(r"^Python 3 \(ipykernel\) \| Idle$")).wait_for(timeout=90_000)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        error = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+        error.first.wait_for(timeout=90_000)
+        lines = [line for line in error.first.inner_text().splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(
+            "ConfigError: block_size=17 must be a power of two"), lines
+        assert error.count() == 1 and "Traceback" not in page.content()
+        page.screenshot(path=artifact("jupyterlab-bad-parameter.png"))
+    finally:
+        w.close()
+
+
 # ------------------------------------------------------------------ the report pages
 
 def open_offline(browser, path, artifact, shot: str):
