@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,19 +33,18 @@ def machine(settings) -> dict:
     import torch
 
     from kit.measure.device import describe, versions
-    compilers = {name: shutil.which(name) for name in ("cc", "gcc", "clang", "c++", "g++")}
-    out = {"machine": describe(settings.device), "versions": versions(), "compilers": compilers}
-    cuda = settings.device == "cuda"
-    if cuda:
+    from kit.studies.setup_check import compilers
+    found = compilers(settings.device)  # as Inductor and Triton find theirs (chapter 00's)
+    out = {"machine": describe(settings.device), "versions": versions(),
+           "compilers": {c.used_by: c.line() for c in found},
+           "held": [held(f"the {c.language} compiler {c.used_by} builds with is present",
+                         c.found) for c in found]}
+    if settings.device == "cuda":
         out["capability"] = list(torch.cuda.get_device_capability())
-    out["held"] = [held("a C++ compiler is on PATH (Inductor's CPU kernels)",
-                        any(compilers[n] for n in ("c++", "g++", "clang")))]
-    if cuda:
-        out["held"].append(held("a C compiler is on PATH (Triton builds its launcher with it)",
-                                any(compilers[n] for n in ("cc", "gcc", "clang"))))
     gpu = out["machine"]["gpu"]
     out["notes"] = [f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-                    + (f", {gpu}, capability {out['capability']}" if gpu else ", no GPU")]
+                    + (f", {gpu}, capability {out['capability']}" if gpu else ", no GPU"),
+                    *(c.line() for c in found)]
     return out
 
 
