@@ -29,7 +29,9 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
 # tied and untied embeddings, QKV bias (qwen2), (1 + w) norms, sqrt(hidden) embedding scale
 # and GELU-tanh (gemma), exact GELU (a llama configured with "gelu"); per-head QK-norm (qwen3,
 # gemma3), sliding windows shorter than the prompts (mistral, gemma2, gemma3), soft-capped scores
-# and logits, sandwich norms and query_pre_attn_scalar (gemma2), a local RoPE base (gemma3).
+# and logits, sandwich norms and query_pre_attn_scalar (gemma2), a local RoPE base (gemma3);
+# experts picked by a softmax's top k, renormalised (mixtral) or not (qwen3_moe, beside a dense
+# layer).
 CASES = {
     "llama-gqa": {},
     "llama-mqa-tied-gelu": {"num_key_value_heads": 1, "head_dim": 16, "hidden_act": "gelu",
@@ -56,6 +58,11 @@ CASES = {
         "tie_word_embeddings": True, "num_hidden_layers": 3, "sliding_window": 8,
         "query_pre_attn_scalar": 32, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    "qwen3-moe-dense-layer": {"model_type": "qwen3_moe", "num_hidden_layers": 3,
+                              "rope_theta": 1e6, "num_experts": 8, "num_experts_per_tok": 3,
+                              "moe_intermediate_size": 48, "mlp_only_layers": [1]},
+    "mixtral-window": {"model_type": "mixtral", "sliding_window": 8, "num_local_experts": 4,
+                       "num_experts_per_tok": 2, "rope_theta": 1e6},
 }
 # Cases with sliding layers, run on prompts several windows long.
 WINDOWED = [case for case, changes in CASES.items() if "sliding_window" in changes]

@@ -16,10 +16,14 @@ from kit.engine.model import build_model, dummy_batch, weights_bytes
 def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
     # Gemma 2 and 3 always have sliding layers, which need a window
     window = {"sliding_window": 8} if family in ("gemma2", "gemma3_text") else {}
+    # a mixture of experts of a size to match: 4 experts, 2 per token
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32} \
+        if FAMILIES[family].experts else {}
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "vocab_size": 101, "max_position_embeddings": 256, **window, **extra}, f"small-{family}")
+        "vocab_size": 101, "max_position_embeddings": 256, **window, **experts, **extra},
+        f"small-{family}")
 
 
 ARCHS = {
@@ -207,3 +211,82 @@ def test_a_chunk_of_scores_stays_within_the_bound():
     assert query_chunk(8, 14, 2032, 254) == 2032  # cpu-real, chapter 04's longest prompts
     assert query_chunk(4, 8, 1008, 126) == 1008  # cpu-small's
     assert 8 * 14 * 2032 ** 2 * 4 <= MAX_SCORE_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts: routing, the grouped products, and what a step reads
+# ---------------------------------------------------------------------------------------------
+
+def naive_experts(moe, x):
+    """Each token's k experts run one by one, weighted: the definition."""
+    weights, ids = moe.route(x)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    ex = moe.experts
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t].tolist()):
+            hidden = ex.act(F.linear(x[t], ex.gate_up_proj[e]))
+            out[t] += w * F.linear(hidden, ex.down_proj[e]).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_grouped_experts_equal_each_tokens_experts_run_one_by_one(family, dtype):
+    from kit.engine.layers.experts import SparseMoE
+    arch = small(family, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24)
+    torch.manual_seed(0)
+    moe = SparseMoE(arch).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    x = torch.randn(11, 64, dtype=dtype)
+    got, expected = moe(x).float(), naive_experts(moe, x).float()
+    assert (got - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 3e-2) \
+        * expected.abs().max()
+
+
+def test_routing_renormalises_only_where_the_config_says():
+    from kit.engine.layers.experts import route
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    w, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[0, 1]] and w.sum().item() < 0.99
+    w, _ = route(logits, 2, renormalize=True)
+    assert w.sum().item() == pytest.approx(1.0)
+    assert w[0, 0].item() == pytest.approx(math.e / (math.e + 1))
+
+
+def test_an_expert_no_token_picked_is_never_read():
+    """The grouped products read only the picked experts: NaN weights in the others leave
+    the output finite (and a picked expert's NaN shows)."""
+    from kit.engine.layers.experts import grouped_mm
+    rows, weights = torch.randn(5, 8), torch.randn(4, 8, 4)
+    ends = torch.tensor([2, 2, 5, 5], dtype=torch.int32)  # experts 1 and 3 picked by no row
+    weights[1] = weights[3] = float("nan")
+    out = grouped_mm(rows, weights, ends)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[:2], rows[:2] @ weights[0]) and \
+        torch.allclose(out[2:], rows[2:] @ weights[2])
+    weights[2] = float("nan")
+    assert not torch.isfinite(grouped_mm(rows, weights, ends)[2:]).any()
+
+
+def test_the_fallback_without_grouped_products_gives_the_same_rows(monkeypatch):
+    """Where the grouped product does not run (a device or dtype without it, or sizes whose
+    strides are not multiples of 16 bytes), a product per group gives the same rows."""
+    from kit.engine.layers import experts
+    rows, weights = torch.randn(7, 8), torch.randn(3, 8, 4)
+    ends = torch.tensor([3, 3, 7], dtype=torch.int32)
+    grouped = experts.grouped_mm(rows, weights, ends)
+    monkeypatch.setitem(experts._GROUPED_WORKS, ("cpu", torch.float32), False)
+    assert torch.allclose(experts.grouped_mm(rows, weights, ends), grouped, atol=1e-6)
+    odd = torch.randn(3, 8, 3)  # 12-byte rows: torch refuses, the loop runs
+    by_group = torch.cat([rows[:3] @ odd[0], rows[3:] @ odd[2]])
+    monkeypatch.undo()
+    assert torch.allclose(experts.grouped_mm(rows, odd, ends), by_group, atol=1e-6)
+
+
+def test_expected_distinct_experts():
+    from kit.engine.layers.experts import distinct_experts, expected_distinct_experts
+    assert expected_distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_distinct_experts(8, 2, 1000) == pytest.approx(8)
+    assert expected_distinct_experts(128, 8, 8) == pytest.approx(128 * (1 - (120 / 128) ** 8))
+    assert distinct_experts(torch.tensor([[0, 3], [3, 5]])) == 3

@@ -34,6 +34,8 @@ class Parts:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
     gelu: str = "gelu"              # the activation config.json's "gelu" stands for
     qk_norm: bool = False           # each head's query and key normed before RoPE (q_norm, k_norm)
+    experts: str | None = None      # how a token picks its experts (ROUTERS); None: dense MLPs
+    expert_names: str = "qwen"      # the checkpoint's names for them (EXPERT_NAMES)
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -54,7 +56,17 @@ FAMILIES = {
     "gemma3_text": Parts("Gemma3ForCausalLM", norm="gemma_rms", layer="sandwich",
                          scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
                          tie_word_embeddings=True),
+    "qwen3_moe": Parts("Qwen3MoeForCausalLM", qk_norm=True, experts="softmax_topk"),
+    "mixtral": Parts("MixtralForCausalLM", experts="softmax_topk", expert_names="mixtral"),
 }
+# How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
+# expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
+# the config says so (Mixtral always, Qwen3-MoE with `norm_topk_prob`).
+ROUTERS = ("softmax_topk",)
+# A checkpoint's names for one MoE layer's router and expert e's matrices (`Parts.expert_names`):
+# (block, router, gate, up, down), as the published checkpoints and transformers write them.
+EXPERT_NAMES = {"qwen": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # that differs from the kit's plain reading (vLLM reads configs through those classes too):
 # a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
@@ -72,6 +84,11 @@ CONFIG_DEFAULTS = {
     "mistral": {"sliding_window": 4096, "max_position_embeddings": 131_072},
     "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28,
               "max_position_embeddings": 32_768},
+    "qwen3_moe": {"max_position_embeddings": 32_768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "decoder_sparse_step": 1, "norm_topk_prob": False},
+    "mixtral": {"max_position_embeddings": 131_072, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "rms_norm_eps": 1e-5},
 }
 # Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
 GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
@@ -88,8 +105,8 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
-    "mixture of experts": ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "dbrx", "olmoe",
-                           "granitemoe", "llama4", "llama4_text", "jamba"),
+    "mixture of experts": ("qwen2_moe", "gpt_oss", "dbrx", "olmoe", "granitemoe", "llama4",
+                           "llama4_text", "jamba", "gemma4_text", "glm4_moe", "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
                                                "bamba", "nemotron_h", "zamba2", "lfm2"),
 }
@@ -102,6 +119,7 @@ INERT_KEYS = {
     "output_hidden_states", "return_dict", "tie_word_embeddings", "id2label", "label2id",
     "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
     "_sliding_window_pattern",  # Gemma 3's class keeps sliding_window_pattern under this name
+    "router_jitter_noise", "output_router_logits", "router_aux_loss_coef",  # training only
 }
 # Keys the decoder honours only at the values listed (what every family it builds uses).
 FIXED_KEYS = {"mlp_bias": (False,), "pretraining_tp": (1,), "partial_rotary_factor": (1, 1.0),
@@ -115,6 +133,10 @@ READ_KEYS = {
     "max_window_layers", "sliding_window_pattern", "query_pre_attn_scalar",
     "attn_logit_softcapping", "final_logit_softcapping",
 }
+# The keys of a mixture of experts, read for the families whose MLPs route (`Parts.experts`)
+# and refused for the others.
+MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -126,14 +148,17 @@ def check_family(family, name: str) -> None:
     raise ConfigError(
         f"model {name!r}: model_type {family!r} is not supported"
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
-        f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP, grouped-query "
-        "attention over full or sliding windows.")
+        f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP or experts routed "
+        "by a softmax's top k, grouped-query attention over full or sliding windows.")
 
 
 def check_keys(hf: dict, name: str) -> None:
     """Every key of config.json is read, inert or at the one value the decoder builds; any
     other is refused by name (a key ignored would run a model the user did not give)."""
-    unknown = sorted(k for k in hf if k not in READ_KEYS | INERT_KEYS | set(FIXED_KEYS))
+    known = READ_KEYS | INERT_KEYS | set(FIXED_KEYS)
+    if FAMILIES[hf["model_type"]].experts:
+        known |= MOE_KEYS
+    unknown = sorted(k for k in hf if k not in known)
     fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
                    not in FIXED_KEYS[k])
     if unknown or fixed:
@@ -148,7 +173,8 @@ def layer_types(hf: dict, family: str, name: str) -> tuple:
     """Each layer's attention kind: config.json's `layer_types`, else what the family's
     config class derives (Gemma 2 alternates from a sliding first layer, Gemma 3 has every
     `sliding_window_pattern`-th layer full, Qwen's windows start at `max_window_layers`,
-    Mistral's `sliding_window` covers every layer)."""
+    Mistral's and Mixtral's `sliding_window` covers every layer, Qwen3-MoE's too once
+    `use_sliding_window` is set)."""
     n, window = hf["num_hidden_layers"], hf.get("sliding_window")
     kinds = hf.get("layer_types")
     if kinds is None and family == "gemma2":
@@ -156,6 +182,8 @@ def layer_types(hf: dict, family: str, name: str) -> tuple:
     elif kinds is None and family == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or 6
         kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    elif kinds is None and family == "qwen3_moe":  # its class drops the window unless switched on
+        kinds = [SLIDING if hf.get("use_sliding_window") and window else FULL] * n
     elif kinds is None and family in ("qwen2", "qwen3"):
         first = hf.get("max_window_layers", n) if hf.get("use_sliding_window") and window else n
         kinds = [SLIDING if i >= first else FULL for i in range(n)]
@@ -204,3 +232,36 @@ def rope_scaling(params: dict, name: str) -> tuple:
                           "; the kit's RoPE covers none and Llama 3's ('llama3')")
     return tuple((k, params[k]) for k in LLAMA3_ROPE_KEYS)
 
+
+
+def mlp_kinds(hf: dict, family: str, name: str) -> tuple:
+    """Each layer's MLP, "experts" or "dense" ((): every layer dense): Qwen3-MoE routes every
+    `decoder_sparse_step`-th layer except its `mlp_only_layers`, Mixtral every layer."""
+    if not FAMILIES[family].experts:
+        return ()
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    if not isinstance(step, int) or step < 1 or not dense <= set(range(n)):
+        raise ConfigError(f"model {name!r}: decoder_sparse_step must be a positive whole number "
+                          f"and mlp_only_layers layer indices below {n}; config.json has "
+                          f"{step!r} and {sorted(dense)!r}")
+    return tuple("experts" if (i + 1) % step == 0 and i not in dense else "dense"
+                 for i in range(n))
+
+
+def experts_of(hf: dict, family: str, name: str) -> dict:
+    """The experts' sizes as `ModelConfig` holds them ({} for a dense family): how many, how
+    many a token picks, each one's intermediate size (Mixtral's is `intermediate_size`) and
+    whether the picked probabilities are renormalised."""
+    if not FAMILIES[family].experts:
+        return {}
+    num = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    size = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    if not all(isinstance(v, int) and v > 0 for v in (num, top_k, size)) or top_k > num:
+        raise ConfigError(f"model {name!r}: a mixture of experts needs positive whole "
+                          f"num_experts (or num_local_experts), num_experts_per_tok no larger, "
+                          f"and an intermediate size; config.json has {num!r}, {top_k!r}, "
+                          f"{size!r}")
+    return {"num_experts": num, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
+            "norm_topk_prob": True if family == "mixtral" else bool(hf.get("norm_topk_prob"))}

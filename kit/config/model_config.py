@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kit.config.data import MODELS_DIR, known_names
 from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
-                                 check_keys, layer_types, rope, with_family_defaults)
+                                 check_keys, experts_of, layer_types, mlp_kinds, rope,
+                                 with_family_defaults)
 from kit.config.hub import hub_config, is_hub_id
 from kit.errors import ConfigError
 
@@ -41,6 +42,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores become cap·tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # the same on the logits
+    mlp_kinds: tuple = ()          # each layer's MLP, "experts" or "dense"; (): every one dense
+    num_experts: int = 0           # experts in each MoE layer (every one stays resident)
+    num_experts_per_tok: int = 0   # experts each token is routed through (top k)
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False   # the k picked probabilities renormalised to sum to 1
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -85,6 +91,7 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
+            mlp_kinds=mlp_kinds(hf, family, name), **experts_of(hf, family, name),
         )
 
     @classmethod
@@ -135,16 +142,42 @@ class ModelConfig:
         """What the scores q·k are multiplied by before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def layer_weights(self) -> int:
-        """Elements of one layer's matrices: the Q, K, V and O projections and the MLP's three."""
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP routes each token through experts."""
+        return bool(self.mlp_kinds) and self.mlp_kinds[layer] == "experts"
+
+    def attention_weights(self) -> int:
+        """Elements of one layer's Q, K, V and O projections."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
             self.num_key_value_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+        return h * q + 2 * h * kv + q * h
 
-    def linear_weights(self) -> int:
-        """Elements of every matrix a token is multiplied by: every layer's, and the LM head
-        (the embedding table itself when tied)."""
-        return self.num_hidden_layers * self.layer_weights() + self.vocab_size * self.hidden_size
+    def expert_weights(self) -> int:
+        """Elements of one expert's three matrices (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def mlp_weights(self, layer: int, active: bool = False) -> int:
+        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router and
+        every expert (`active`: only the num_experts_per_tok experts one token runs)."""
+        if not self.is_moe(layer):
+            return 3 * self.hidden_size * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return self.num_experts * self.hidden_size + experts * self.expert_weights()
+
+    def layer_weights(self, layer: int = 0, active: bool = False) -> int:
+        """Elements of layer `layer`'s matrices: the Q, K, V and O projections and its MLP's."""
+        return self.attention_weights() + self.mlp_weights(layer, active)
+
+    def linear_weights(self, active: bool = False) -> int:
+        """Elements of every matrix: every layer's, and the LM head (the embedding table itself
+        when tied); `active`: only those one token is multiplied by (its experts, not all)."""
+        return sum(self.layer_weights(i, active) for i in range(self.num_hidden_layers)) \
+            + self.vocab_size * self.hidden_size
+
+    def experts_parameters(self) -> int:
+        """Elements of every expert of every MoE layer (the routers not included)."""
+        return sum(self.num_experts * self.expert_weights()
+                   for i in range(self.num_hidden_layers) if self.is_moe(i))
 
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (the model's real count must equal it): the
@@ -170,8 +203,20 @@ class ModelConfig:
             "torch_dtype": self.torch_dtype,
             **({"rope_scaling": {"rope_type": "llama3", **dict(self.rope_scaling)}}
                if self.rope_scaling else {}),
-            **self.attention_keys(),
+            **self.attention_keys(), **self.experts_keys(),
         }
+
+    def experts_keys(self) -> dict:
+        """config.json's keys for the experts, as the family's published configs write them."""
+        if not self.num_experts:
+            return {}
+        keys = {"num_experts_per_tok": self.num_experts_per_tok}
+        if self.family == "mixtral":
+            return {**keys, "num_local_experts": self.num_experts}
+        dense = [i for i in range(self.num_hidden_layers) if not self.is_moe(i)]
+        return {**keys, "num_experts": self.num_experts, "norm_topk_prob": self.norm_topk_prob,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "decoder_sparse_step": 1, "mlp_only_layers": dense}
 
     def attention_keys(self) -> dict:
         """config.json's keys for what sets attention apart from plain causal attention, as
@@ -190,12 +235,15 @@ class ModelConfig:
                         sliding_window=self.sliding_window, layer_types=list(self.layer_types))
         if self.family == "gemma3_text":
             keys["rope_local_base_freq"] = self.rope_local_base_freq or self.rope_theta
-        if self.family == "mistral":  # its class holds no layer_types: every layer or none
+        if self.family in ("mistral", "mixtral"):  # no layer_types: every layer or none
             keys["sliding_window"] = self.sliding_window
         elif self.sliding_window:
             keys["sliding_window"] = self.sliding_window
             keys["layer_types"] = list(self.layer_types)
-            if self.family in ("qwen2", "qwen3"):  # their configs' own switch for windows
+            if self.family == "qwen3_moe":  # every layer slides once switched on
+                keys["use_sliding_window"] = True
+                del keys["layer_types"]
+            elif self.family in ("qwen2", "qwen3"):  # their configs' own switch for windows
                 keys["use_sliding_window"] = True
                 keys["max_window_layers"] = self.layer_types.index(SLIDING)
         if self.rope_local_base_freq:

@@ -1,7 +1,8 @@
 """Checkpoint folders in the Hugging Face layout: config.json and safetensors weights.
 
 `load_checkpoint` fills a `Decoder` from the folder `arch.checkpoint` (memory-mapped, cast to
-the model's dtype, Q/K/V and gate/up copied into the fused matrices); `write_checkpoint`
+the model's dtype, Q/K/V and gate/up copied into the fused matrices, each expert's matrices into
+the stacked ones); `write_checkpoint`
 writes a model's weights under Hugging Face's names, which transformers and vLLM load. Only
 safetensors are read, never pickles. Gemma's norms are stored as an offset from 1 both here
 and in transformers (`GemmaRMSNorm` multiplies by 1 + w), so they map one to one; so are
@@ -18,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kit.config import ModelConfig, checkpoint_files
+from kit.config.families import EXPERT_NAMES
 from kit.errors import ConfigError
 
 # safetensors dtypes a float model can be cast from
@@ -27,48 +29,63 @@ IGNORED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; recomput
 
 def layout(arch: ModelConfig) -> dict[str, list[str]]:
     """Each kit parameter -> the Hugging Face tensors stacked (along dim 0) to make it."""
-    names = {"embed_tokens.weight": ["model.embed_tokens.weight"],
-             "norm.weight": ["model.norm.weight"]}
-    if not arch.tie_word_embeddings:
-        names["lm_head.weight"] = ["lm_head.weight"]
-    for i in range(arch.num_hidden_layers):
-        kit, hf = f"layers.{i}.", f"model.layers.{i}."
-        kinds = ["weight", "bias"] if arch.attention_bias else ["weight"]
-        for kind in kinds:
-            names[f"{kit}self_attn.qkv_proj.{kind}"] = [
-                f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
-        names[f"{kit}self_attn.o_proj.weight"] = [f"{hf}self_attn.o_proj.weight"]
-        for norm in ("q_norm", "k_norm") if arch.parts.qk_norm else ():
-            names[f"{kit}self_attn.{norm}.weight"] = [f"{hf}self_attn.{norm}.weight"]
-        names[f"{kit}mlp.gate_up_proj.weight"] = [f"{hf}mlp.gate_proj.weight",
-                                                  f"{hf}mlp.up_proj.weight"]
-        names[f"{kit}mlp.down_proj.weight"] = [f"{hf}mlp.down_proj.weight"]
-        for norm in arch.parts.layer_norms:
-            names[f"{kit}{norm}.weight"] = [f"{hf}{norm}.weight"]
-    return names
+    return {kit: [name for name, _ in parts] for kit, parts in tensors_of(arch).items()}
 
 
 def hf_shapes(arch: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `arch` holds, with its shape."""
-    h, inter, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
-    shapes = {}
-    for names in layout(arch).values():
-        for name in names:
-            module, kind = name.split(".")[-2:]
-            if module in ("q_norm", "k_norm"):  # one scale per element of a head
-                shapes[name] = (arch.head_dim,)
-            elif "norm" in module:
-                shapes[name] = (h,)
-            elif module in ("embed_tokens", "lm_head"):
-                shapes[name] = (vocab, h)
-            elif kind == "bias":
-                shapes[name] = (rows[module],)
-            else:
-                cols = {"o_proj": q, "down_proj": inter}.get(module, h)
-                shapes[name] = (rows.get(module, h), cols)
-    return shapes
+    return {name: shape for parts in tensors_of(arch).values() for name, shape in parts}
+
+
+def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Each kit parameter -> the Hugging Face tensors (name, shape) stacked along dim 0 to make
+    it; a stacked expert matrix [E, rows, cols] is E × rows rows of its experts' tensors."""
+    h, vocab = arch.hidden_size, arch.vocab_size
+    parts = {"embed_tokens.weight": [("model.embed_tokens.weight", (vocab, h))],
+             "norm.weight": [("model.norm.weight", (h,))]}
+    if not arch.tie_word_embeddings:
+        parts["lm_head.weight"] = [("lm_head.weight", (vocab, h))]
+    for i in range(arch.num_hidden_layers):
+        kit, hf = f"layers.{i}.", f"model.layers.{i}."
+        parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn."))
+        mlp = experts_tensors if arch.is_moe(i) else dense_mlp_tensors
+        parts.update(mlp(arch, kit + "mlp.", hf))
+        for norm in arch.parts.layer_norms:
+            parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
+    return parts
+
+
+def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    rows = {"q": q, "k": kv, "v": kv}
+    parts = {f"{kit}qkv_proj.weight": [(f"{hf}{p}_proj.weight", (rows[p], h)) for p in "qkv"],
+             f"{kit}o_proj.weight": [(f"{hf}o_proj.weight", (h, q))]}
+    if arch.attention_bias:
+        parts[f"{kit}qkv_proj.bias"] = [(f"{hf}{p}_proj.bias", (rows[p],)) for p in "qkv"]
+    for norm in ("q_norm", "k_norm") if arch.parts.qk_norm else ():  # one scale per element
+        parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (d,))]
+    return parts
+
+
+def dense_mlp_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    h, inter = arch.hidden_size, arch.intermediate_size
+    return {f"{kit}gate_up_proj.weight": [(f"{hf}mlp.gate_proj.weight", (inter, h)),
+                                          (f"{hf}mlp.up_proj.weight", (inter, h))],
+            f"{kit}down_proj.weight": [(f"{hf}mlp.down_proj.weight", (h, inter))]}
+
+
+def experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """The router and every expert under the family's names (`EXPERT_NAMES`): one tensor per
+    expert and matrix, as published checkpoints and transformers' `save_pretrained` write
+    them."""
+    block, router, gate, up, down = EXPERT_NAMES[arch.parts.expert_names]
+    h, inter, experts = arch.hidden_size, arch.moe_intermediate_size, range(arch.num_experts)
+    name = f"{hf}{block}.experts.{{}}.{{}}.weight".format
+    return {f"{kit}gate.weight": [(f"{hf}{block}.{router}.weight", (arch.num_experts, h))],
+            f"{kit}experts.gate_up_proj": [(name(e, w), (inter, h)) for e in experts
+                                           for w in (gate, up)],
+            f"{kit}experts.down_proj": [(name(e, down), (h, inter)) for e in experts]}
 
 
 def open_files(stack: ExitStack, files: list[Path]) -> dict:
@@ -110,8 +127,9 @@ def check_tensors(arch: ModelConfig, where: dict) -> None:
 
 @torch.no_grad()
 def copy_into(param: torch.Tensor, parts: list[str], where: dict) -> None:
-    """Copy (and cast) the named tensors into consecutive rows of `param`."""
-    row = 0
+    """Copy (and cast) the named tensors into consecutive rows of `param` (of its experts'
+    rows, for a stacked expert matrix)."""
+    param, row = rows_of(param), 0
     for name in parts:
         tensor = where[name].get_tensor(name)
         rows = param[row:row + tensor.shape[0]]
@@ -120,6 +138,11 @@ def copy_into(param: torch.Tensor, parts: list[str], where: dict) -> None:
             raise ConfigError(f"{name} overflows {param.dtype} (values up to "
                               f"{tensor.abs().max().item():.3g}); use a wider dtype")
         row += tensor.shape[0]
+
+
+def rows_of(param: torch.Tensor) -> torch.Tensor:
+    """`param` as rows: a stacked expert matrix [E, rows, cols] as [E × rows, cols]."""
+    return param.flatten(0, 1) if param.dim() == 3 else param
 
 
 def check_checkpoint(arch: ModelConfig) -> None:
@@ -145,7 +168,7 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     shapes = hf_shapes(model.arch)
     for kit_name, parts in layout(model.arch).items():
         sizes = [shapes[name][0] for name in parts]
-        for name, piece in zip(parts, params[kit_name].split(sizes)):
+        for name, piece in zip(parts, rows_of(params[kit_name]).split(sizes)):
             tensors[name] = piece.detach().cpu().contiguous()
     return tensors
 

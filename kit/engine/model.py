@@ -8,7 +8,8 @@ engine's sampler does. `decode` runs one token per sequence over the paged KV ca
 04), its layers bound to the run's KV cache layout (`Decoder.bind_kv_cache`).
 `Decoder.multiply_in` sets the dtype compiled code multiplies the weights in
 (`kit.engine.layers.linear`). Per layer, the attention's window and RoPE base follow the
-config (`ModelConfig.window`, `layer_rope_theta`); Gemma 2 caps the final logits.
+config (`ModelConfig.window`, `layer_rope_theta`); Gemma 2 caps the final logits. A layer's
+MLP is dense or a mixture of experts (`ModelConfig.is_moe`, `kit.engine.layers.experts`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
+from kit.engine.layers.experts import SparseMoE
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.rotary import rope_cos_sin
@@ -39,7 +41,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(arch)
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
-        self.mlp = MLP(arch)
+        self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else MLP(arch)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)

@@ -1,0 +1,135 @@
+"""A mixture of experts in place of the dense MLP (chapters 01, 03–05): a router picks k of E
+experts for each token, each picked expert runs the gated MLP on it, and their outputs are
+summed weighted by the router's probabilities.
+
+    router     logits = x · gate.weightᵀ                      [tokens, E]
+    route      softmax over the E logits (float32), the k largest, renormalised to sum to 1
+               where the config says so (`ModelConfig.norm_topk_prob`; Mixtral always)
+    experts    expert e: down_e(act(gate_e · x) × up_e · x), its gate and up in one matrix
+               (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], as vLLM's FusedMoE holds them)
+
+Every expert's weights stay resident, but a token reads only its k. The tokens are sorted by
+the expert they picked and each expert multiplies its rows in one grouped product
+(`torch._grouped_mm`): an expert no token picked is never read, so a decode step moves the
+bytes of the distinct experts its batch picked (`distinct_experts`). Every shape depends only
+on the number of tokens, so compiled code needs no graph per routing. Where a device or dtype
+has no grouped product, a product per picked expert does the same arithmetic (`grouped_mm`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kit.config import ModelConfig
+from kit.engine.layers.linear import Linear
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """("softmax_topk") -> each token's k experts' weights (float32) and ids [tokens, k]."""
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
+
+
+_GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
+
+
+def grouped_products_work(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` multiplies `dtype` on `device` (tried once on a tiny case)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_WORKS:
+        try:
+            x = torch.ones(2, 16, device=device, dtype=dtype)
+            w = torch.ones(2, 16, 16, device=device, dtype=dtype)
+            offs = torch.tensor([1, 2], device=device, dtype=torch.int32)
+            _GROUPED_WORKS[key] = bool(torch._grouped_mm(x, w, offs=offs).eq(16).all())
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _GROUPED_WORKS[key] = False
+    return _GROUPED_WORKS[key]
+
+
+@torch.library.custom_op("kit::grouped_mm", mutates_args=())
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] sorted by group, weights [G, K, N], `ends` [G] each group's last row + 1
+    (int32) -> [M, N], group g's rows times weights[g]; a group without rows never reads its
+    weights. `torch._grouped_mm` where it runs, else a product per group with rows. One opaque
+    op to the compiler (Inductor calls it as it is), since PyTorch's own shape rule for
+    `_grouped_mm` admits only bfloat16."""
+    if grouped_products_work(rows.device, rows.dtype):
+        try:
+            return torch._grouped_mm(rows, weights, offs=ends)
+        except RuntimeError:  # its strides must be multiples of 16 bytes: odd sizes loop
+            pass
+    out, start = rows.new_empty(rows.shape[0], weights.shape[2]), 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = rows[start:end] @ weights[g]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _(rows, weights, ends):
+    return rows.new_empty(rows.shape[0], weights.shape[2])
+
+
+class Experts(nn.Module):
+    """E gated MLPs, their weights stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]."""
+
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        e, h, i = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gelu = arch.hidden_act != "silu"
+        self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
+        return gate * up
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [tokens, H], each token's k experts `ids` and their `weights` [tokens, k] ->
+        Σ over its k experts of weight × expert(x), [tokens, H] in x's dtype."""
+        tokens, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
+        token_of = order // k
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        hidden = self.act(grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), ends))
+        out = grouped_mm(hidden, self.down_proj.transpose(1, 2), ends)
+        summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        summed.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
+        return summed.to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """The MLP of an MoE layer: the router (`gate`, a matrix [E, H]) and the experts."""
+
+    def __init__(self, arch: ModelConfig):
+        super().__init__()
+        self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.experts = Experts(arch)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's k experts: (weights float32, ids), [tokens, k] each."""
+        return route(self.gate(x), self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.route(x))
+
+
+def distinct_experts(ids: torch.Tensor) -> int:
+    """Experts a batch's picks `ids` [tokens, k] touch: those a step must read."""
+    return int(ids.unique().numel())
+
+
+def expected_distinct_experts(num_experts: int, k: int, tokens: int) -> float:
+    """Experts `tokens` tokens touch when each picks k of E uniformly: E·(1 − (1 − k/E)^B)."""
+    return num_experts * (1 - (1 - k / num_experts) ** tokens)
