@@ -193,10 +193,12 @@ def test_vllm_model_folders_have_a_stable_path_per_config(tmp_path):
     assert written == tmp_path / "tiny" and (written / "config.json").is_file()
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text", "mistral", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text", "mistral", "qwen3", "llama",
+                                    "qwen3_moe", "mixtral"])
 def test_keys_left_out_read_as_transformers_reads_them(family):
     """A config.json that leaves keys out means what its family's transformers config class
-    assumes (vLLM reads it through that class too): caps, scalar, window, head_dim, RoPE."""
+    assumes (vLLM reads it through that class too): caps, scalar, window, head_dim, RoPE,
+    the experts."""
     from transformers import AutoConfig
     hf = {"model_type": family, "hidden_size": 64, "intermediate_size": 96,
           "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -217,6 +219,28 @@ def test_keys_left_out_read_as_transformers_reads_them(family):
         params = ref.rope_parameters
         assert (kit_cfg.layer_rope_theta(0), kit_cfg.layer_rope_theta(5)) == (
             params["sliding_attention"]["rope_theta"], params["full_attention"]["rope_theta"])
+    assert kit_cfg.rms_norm_eps == ref.rms_norm_eps
+    if family in ("qwen3_moe", "mixtral"):
+        assert (kit_cfg.num_experts, kit_cfg.num_experts_per_tok) == (
+            ref.num_local_experts, ref.num_experts_per_tok)
+        assert kit_cfg.moe_intermediate_size == getattr(ref, "moe_intermediate_size",
+                                                        ref.intermediate_size)
+        assert kit_cfg.norm_topk_prob == getattr(ref, "norm_topk_prob", True)
+        assert kit_cfg.mlp_kinds == ("experts",) * 6
+
+
+def test_experts_keys_are_refused_where_nothing_routes_and_checked_where_it_does(tmp_path):
+    """A dense family given expert keys is refused by name (they would be ignored), and an
+    MoE config whose experts cannot be built says which values are wrong."""
+    with pytest.raises(ConfigError, match=r"does not build: \['num_experts_per_tok', "
+                                          r"'num_local_experts'\]"):
+        load(model=str(write_config(tmp_path, num_local_experts=8, num_experts_per_tok=2)))
+    for bad in ({"num_local_experts": 2, "num_experts_per_tok": 3},
+                {"num_local_experts": 0, "num_experts_per_tok": 1}):
+        with pytest.raises(ConfigError, match="a mixture of experts needs"):
+            load(model=str(write_config(tmp_path, model_type="mixtral", **bad)))
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        load(model=str(write_config(tmp_path, model_type="qwen3_moe", mlp_only_layers=[99])))
 
 
 # A model by its Hugging Face id: the Hub is offline and its cache a temporary folder, in this
