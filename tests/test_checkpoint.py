@@ -31,7 +31,8 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
 # gemma3), sliding windows shorter than the prompts (mistral, gemma2, gemma3), soft-capped scores
 # and logits, sandwich norms and query_pre_attn_scalar (gemma2), a local RoPE base (gemma3);
 # experts picked by a softmax's top k, renormalised (mixtral) or not (qwen3_moe, beside a dense
-# layer).
+# layer); gpt-oss's sinks, biased output projection, router and experts (a top k's softmax, the
+# clamped SwiGLU at a limit and gain that bite), windows on every other layer and YaRN.
 CASES = {
     "llama-gqa": {},
     "llama-mqa-tied-gelu": {"num_key_value_heads": 1, "head_dim": 16, "hidden_act": "gelu",
@@ -63,6 +64,12 @@ CASES = {
                               "moe_intermediate_size": 48, "mlp_only_layers": [1]},
     "mixtral-window": {"model_type": "mixtral", "sliding_window": 8, "num_local_experts": 4,
                        "num_experts_per_tok": 2, "rope_theta": 1e6},
+    "gpt-oss-sinks-window-yarn": {
+        "model_type": "gpt_oss", "num_hidden_layers": 4, "sliding_window": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
+        "swiglu_limit": 1.5, "swiglu_alpha": 1.2, "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 16}},
 }
 # Cases with sliding layers, run on prompts several windows long.
 WINDOWED = [case for case, changes in CASES.items() if "sliding_window" in changes]
@@ -112,7 +119,7 @@ def spread(folder, gemma: bool, seed=0):
             noise = torch.randn(t.shape, generator=gen)
             if name.endswith("norm.weight"):
                 tensors[name] = (0.0 if gemma else 1.0) + 0.3 * noise
-            elif name.endswith(".bias") or "embed" in name:
+            elif name.endswith(("bias", "sinks")) or "embed" in name:
                 tensors[name] = noise
             else:
                 gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
