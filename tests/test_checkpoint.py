@@ -31,7 +31,8 @@ SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
 # gemma3), sliding windows shorter than the prompts (mistral, gemma2, gemma3), soft-capped scores
 # and logits, sandwich norms and query_pre_attn_scalar (gemma2), a local RoPE base (gemma3);
 # experts picked by a softmax's top k, renormalised (mixtral) or not (qwen3_moe, beside a dense
-# layer).
+# layer); gpt-oss's sinks, biased output projection, router and experts (a top k's softmax, the
+# clamped SwiGLU at a limit and gain that bite), windows on every other layer and YaRN.
 CASES = {
     "llama-gqa": {},
     "llama-mqa-tied-gelu": {"num_key_value_heads": 1, "head_dim": 16, "hidden_act": "gelu",
@@ -63,6 +64,12 @@ CASES = {
                               "moe_intermediate_size": 48, "mlp_only_layers": [1]},
     "mixtral-window": {"model_type": "mixtral", "sliding_window": 8, "num_local_experts": 4,
                        "num_experts_per_tok": 2, "rope_theta": 1e6},
+    "gpt-oss-sinks-window-yarn": {
+        "model_type": "gpt_oss", "num_hidden_layers": 4, "sliding_window": 8,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
+        "swiglu_limit": 1.5, "swiglu_alpha": 1.2, "rope_theta": 150000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 16}},
 }
 # Cases with sliding layers, run on prompts several windows long.
 WINDOWED = [case for case, changes in CASES.items() if "sliding_window" in changes]
@@ -112,7 +119,7 @@ def spread(folder, gemma: bool, seed=0):
             noise = torch.randn(t.shape, generator=gen)
             if name.endswith("norm.weight"):
                 tensors[name] = (0.0 if gemma else 1.0) + 0.3 * noise
-            elif name.endswith(".bias") or "embed" in name:
+            elif name.endswith(("bias", "sinks")) or "embed" in name:
                 tensors[name] = noise
             else:
                 gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
@@ -322,8 +329,9 @@ def decode_error(folder, case, strategy, dtype="float32") -> float:
 
 @pytest.mark.parametrize("case,strategy", [
     *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
-    ("gemma2-window-softcap", "eager_summed"),
-    pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow)])  # compiles: ~10 s
+    ("gemma2-window-softcap", "eager_summed"), ("gpt-oss-sinks-window-yarn", "eager_summed"),
+    pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow),  # compiles: ~10 s
+    pytest.param("gpt-oss-sinks-window-yarn", "guard_free", marks=pytest.mark.slow)])
 def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
     """Every decode step's logits (prefill included) against transformers', float32 within
     1e-4 of the largest logit: the eager step (attention as two matmuls) and a compiled one
@@ -389,9 +397,55 @@ def test_llama3_rope_scaling_matters_and_other_kinds_are_refused(tmp_path):
                            "float32", "cpu")
     assert relative_error(scaled, expected) <= kit.config.TOLERANCE["float32"]
     assert relative_error(unscaled.compute_logits(unscaled(ids)), expected) > 1e-3
-    with pytest.raises(ConfigError, match="'yarn' is not supported"):
-        ModelConfig.load(str(config_file(tmp_path, rope_scaling={"rope_type": "yarn",
+    with pytest.raises(ConfigError, match="'longrope' is not supported"):
+        ModelConfig.load(str(config_file(tmp_path, rope_scaling={"rope_type": "longrope",
                                                                  "factor": 4.0})))
+
+
+def test_each_gpt_oss_part_moves_the_logits(tmp_path):
+    """The gpt-oss case's parity is not blind to its parts: without the sinks, the output
+    projection's bias, the experts' biases, the SwiGLU's clamp or YaRN's attention factor,
+    the kit's logits leave the float32 tolerance by far."""
+    folder = checkpoint(tmp_path, **CASES["gpt-oss-sinks-window-yarn"])
+    spread(folder, gemma=False)
+    ids = prompt_ids("gpt-oss-sinks-window-yarn")
+    got, expected = kit_and_reference_logits(folder, ids)
+    assert relative_error(got, expected) <= kit.config.TOLERANCE["float32"]
+    model = kit_model(folder)
+    attn, experts = model.layers[1].self_attn, model.layers[1].mlp.experts
+    arch = model.arch
+    scaling = dict(arch.rope_scaling)
+    changes = {"sinks": lambda: attn.sinks.fill_(float("-inf")),
+               "o_proj bias": lambda: attn.o_proj.bias.zero_(),
+               "expert biases": lambda: experts.down_proj_bias.zero_(),
+               "clamp": lambda: setattr(experts, "limit", 100.0),
+               "yarn factor": lambda: setattr(model, "arch", dataclasses.replace(
+                   arch, rope_scaling=tuple({**scaling, "attention_factor": 1.0}.items())))}
+    for part, change in changes.items():
+        model = kit_model(folder)
+        attn, experts = model.layers[1].self_attn, model.layers[1].mlp.experts
+        with torch.no_grad():
+            change()
+            error = relative_error(model.compute_logits(model(ids)), expected)
+        assert error > 1e-3, (part, error)
+
+
+def test_gpt_oss_keys_are_checked_and_a_quantized_config_refused(tmp_path):
+    case = CASES["gpt-oss-sinks-window-yarn"]
+    with pytest.raises(ConfigError, match="experts_per_token=3 differs from num_experts_per_tok"):
+        ModelConfig.load(str(config_file(tmp_path, **{**case, "experts_per_token": 3})))
+    with pytest.raises(ConfigError, match="(?s)quantization_config .*'mxfp4'.*unquantized.*drop"):
+        ModelConfig.load(str(config_file(tmp_path, **case,
+                                         quantization_config={"quant_method": "mxfp4"})))
+    with pytest.raises(ConfigError, match="decoder_sparse_step"):
+        ModelConfig.load(str(config_file(tmp_path, **case, decoder_sparse_step=2)))
+    bare = {k: v for k, v in case.items() if k not in ("rope_scaling", "rope_theta",
+                                                       "swiglu_limit", "swiglu_alpha")}
+    arch = ModelConfig.load(str(config_file(tmp_path, **bare, initial_context_length=4096)))
+    # GptOssConfig's defaults: YaRN x32 over 4,096 positions, the clamp at 7 and gain 1.702
+    assert dict(arch.rope_scaling)["factor"] == 32.0 and arch.rope_theta == 500000.0  # given
+    assert (arch.swiglu_limit, arch.swiglu_alpha) == (7.0, 1.702)
+    assert [arch.window(i) for i in range(4)] == [8, None, 8, None]
 
 
 def test_a_token_comparison_vllm_could_not_run_is_recorded_not_raised():

@@ -23,6 +23,16 @@ def test_presets_match_published_parameter_counts(name, count):
     assert ModelConfig.load(name).num_parameters() == count
 
 
+@pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91, 3.61),
+                                               ("gpt-oss-120b", 116.83, 5.13)])
+def test_gpt_oss_matches_its_model_cards_counts(name, total, active):
+    """OpenAI's model card gives billions to two decimals: every expert, and those one token
+    runs (its 4 experts, attention, the routers and the LM head)."""
+    arch = ModelConfig.load(name)
+    assert round(arch.num_parameters() / 1e9, 2) == total
+    assert round(arch.linear_weights(active=True) / 1e9, 2) == active
+
+
 def test_presets_load_with_their_families():
     assert ModelConfig.load("gemma-2b").parts.norm == "gemma_rms" and ModelConfig.load("gemma-2b").num_key_value_heads == 1
     assert ModelConfig.load("qwen2.5-0.5b").attention_bias
@@ -61,7 +71,7 @@ def test_unsupported_family_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("family,need", [("deepseek_v2", "multi-head latent attention"),
-                                         ("gpt_oss", "mixture of experts"),
+                                         ("dbrx", "mixture of experts"),
                                          ("qwen3_next", "linear-attention")])
 def test_out_of_reach_kinds_are_refused_by_what_they_need(tmp_path, family, need):
     with pytest.raises(ConfigError, match=f"model_type '{family}' is not supported .*{need}"

@@ -19,6 +19,8 @@ def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
     # a mixture of experts of a size to match: 4 experts, 2 per token
     experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32} \
         if FAMILIES[family].experts else {}
+    if family == "gpt_oss":  # its experts are intermediate_size wide
+        del experts["moe_intermediate_size"]
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -196,6 +198,57 @@ def test_chunked_prefill_attention_equals_the_whole(heads, kv_heads, window, sof
                                            v[s].transpose(0, 1), 0.3, window, softcap)
                        for s in range(2)]).transpose(1, 2)
     torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-6)  # capped: float32 scores
+
+
+def sunk_reference(scores, sinks, v):
+    """Attention with a sink per head: the softmax over [scores, sink], the sink's weight
+    dropped (transformers' gpt-oss written out). scores [heads, q, k], v [k, heads, dim]."""
+    sink = sinks.view(-1, 1, 1).expand(*scores.shape[:2], 1).to(scores.dtype)
+    weights = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_sinks_join_the_softmax_in_prefill_whole_and_chunked(window, monkeypatch):
+    """gpt-oss's sinks: prefill (whole, and in query chunks) equals the softmax written out with
+    one more logit per head; sinks far below the scores change nothing, near them they do."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 13, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 13, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    whole = prefill_attention(q, k, v, 0.3, window, None, sinks)
+    monkeypatch.setattr(prefill_module, "MAX_SCORE_BYTES", 2 * 4 * 4 * 7 * 6)
+    torch.testing.assert_close(prefill_attention(q, k, v, 0.3, window, None, sinks), whole)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    pos = torch.arange(13)
+    seen = (pos[None] <= pos[:, None]) & ((pos[None] > pos[:, None] - window) if window else True)
+    for s in range(2):
+        scores = (q[s] @ kk[s].transpose(-1, -2) * 0.3).masked_fill(~seen, float("-inf"))
+        torch.testing.assert_close(whole[s].transpose(0, 1),  # float32 scores in the kit
+                                   sunk_reference(scores, sinks, vv[s].transpose(0, 1)),
+                                   rtol=1e-5, atol=1e-6)
+    plain = prefill_attention(q, k, v, 0.3, window)
+    assert not torch.allclose(whole, plain, atol=1e-3)
+    torch.testing.assert_close(prefill_attention(q, k, v, 0.3, window, None, sinks - 1e3), plain)
+
+
+@pytest.mark.parametrize("summed", [False, True])
+def test_sinks_join_the_softmax_in_paged_decode(summed):
+    """The paged decode step with sinks, as two matmuls and as the summed products compiled
+    code runs, equals the softmax written out with one more logit per head."""
+    from kit.engine.layers.attention import summed_attention
+    torch.manual_seed(0)
+    seqs, width, block_size, kv_heads, heads, dim = 3, 4, 4, 2, 4, 8
+    cache = torch.randn(2, seqs * width, block_size, kv_heads, dim)
+    tables = torch.randperm(seqs * width).view(seqs, width)
+    lens, q, sinks = torch.tensor([3, 9, 16]), torch.randn(seqs, heads, dim), torch.randn(heads)
+    with summed_attention() if summed else torch.no_grad():
+        got = paged_decode_attention(q, cache, tables, lens, sinks=sinks)
+    k = cache[0][tables].view(seqs, -1, kv_heads, dim).repeat_interleave(2, dim=2)
+    v = cache[1][tables].view(seqs, -1, kv_heads, dim).repeat_interleave(2, dim=2)
+    for s in range(seqs):
+        scores = torch.einsum("hd,lhd->hl", q[s], k[s, :lens[s]])[:, None] * dim ** -0.5
+        torch.testing.assert_close(got[s], sunk_reference(scores, sinks, v[s, :lens[s]])[0])
 
 
 def test_a_chunk_of_scores_stays_within_the_bound():

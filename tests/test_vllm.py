@@ -212,7 +212,9 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 256,
          "max_position_embeddings": 512, "torch_dtype": "float32"}
 TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"sliding_window": 16},
-          "mistral": {"sliding_window": 16}}
+          "mistral": {"sliding_window": 16},
+          # sinks, a window on every other layer, 4 experts top-2, YaRN (GptOssConfig's)
+          "gpt_oss": {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -235,7 +237,7 @@ def todays_checkpoint(family: str, folder, writer: str):
 @pytest.mark.parametrize("writer", ["kit", "transformers"])
 @pytest.mark.parametrize("family", TODAYS)
 def test_todays_families_token_for_token(tmp_path, family, writer):
-    """vLLM on a Qwen3, Gemma 2, Gemma 3 or windowed Mistral checkpoint (the kit's or
+    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral or gpt-oss checkpoint (the kit's or
     transformers'), float32, prompts of 5, 30 and 41 tokens past the window of 16: the kit's
     24 greedy tokens are vLLM's, every one."""
     from kit.engine.decode import batch_for_run, generate, make_prompts

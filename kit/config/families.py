@@ -3,6 +3,7 @@ made of (`Parts`), its transformers defaults, the keys read, inert or refused, e
 attention kind and RoPE. Plain data and checks: no torch."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kit.errors import ConfigError
@@ -36,6 +37,13 @@ class Parts:
     qk_norm: bool = False           # each head's query and key normed before RoPE (q_norm, k_norm)
     experts: str | None = None      # how a token picks its experts (ROUTERS); None: dense MLPs
     expert_names: str = "qwen"      # the checkpoint's names for them (EXPERT_NAMES)
+    # gpt-oss: a learned logit per head joins each softmax's denominator (`sinks`); with
+    # attention_bias the output projection is biased too (`o_bias`); the router and experts
+    # carry biases and the experts' activation is the clamped SwiGLU (`expert_act`)
+    sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "gated"       # "gated": act(gate) × up; "clamped_swiglu": gpt-oss's
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -58,15 +66,21 @@ FAMILIES = {
                          tie_word_embeddings=True),
     "qwen3_moe": Parts("Qwen3MoeForCausalLM", qk_norm=True, experts="softmax_topk"),
     "mixtral": Parts("MixtralForCausalLM", experts="softmax_topk", expert_names="mixtral"),
+    "gpt_oss": Parts("GptOssForCausalLM", attention_bias=True, experts="topk_softmax",
+                     expert_names="gpt_oss", sinks=True, o_bias=True, expert_bias=True,
+                     expert_act="clamped_swiglu"),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
-# the config says so (Mixtral always, Qwen3-MoE with `norm_topk_prob`).
-ROUTERS = ("softmax_topk",)
+# the config says so (Mixtral always, Qwen3-MoE with `norm_topk_prob`); "topk_softmax"
+# (gpt-oss) takes the k largest logits, then the softmax over those k.
+ROUTERS = ("softmax_topk", "topk_softmax")
 # A checkpoint's names for one MoE layer's router and expert e's matrices (`Parts.expert_names`):
 # (block, router, gate, up, down), as the published checkpoints and transformers write them.
 EXPERT_NAMES = {"qwen": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-                "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2")}
+                "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+                # gpt-oss: every expert in one tensor per matrix (kit.engine.checkpoint)
+                "gpt_oss": ("mlp", "router", "gate_up_proj", "gate_up_proj", "down_proj")}
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # that differs from the kit's plain reading (vLLM reads configs through those classes too):
 # a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
@@ -89,9 +103,17 @@ CONFIG_DEFAULTS = {
                   "decoder_sparse_step": 1, "norm_topk_prob": False},
     "mixtral": {"max_position_embeddings": 131_072, "num_local_experts": 8,
                 "num_experts_per_tok": 2, "rms_norm_eps": 1e-5},
+    "gpt_oss": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131_072,
+                "rms_norm_eps": 1e-5, "num_local_experts": 128, "num_experts_per_tok": 4,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
 }
 # Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
 GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+# gpt-oss's RoPE when config.json gives no `rope_parameters`: its base, and YaRN's scaling
+# unless `rope_scaling` is given (GptOssConfig.__post_init__)
+GPT_OSS_ROPE = {"rope_theta": 150_000.0, "rope_scaling": {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096}}
 
 
 def with_family_defaults(hf: dict, family: str) -> dict:
@@ -99,13 +121,15 @@ def with_family_defaults(hf: dict, family: str) -> dict:
     defaults = dict(CONFIG_DEFAULTS.get(family, {}))
     if family == "gemma3_text" and "rope_parameters" not in hf:
         defaults.update(GEMMA3_ROPE)
+    if family == "gpt_oss" and not hf.get("rope_parameters"):
+        defaults.update(GPT_OSS_ROPE)
     return {**defaults, **hf}
 
 
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
-    "mixture of experts": ("qwen2_moe", "gpt_oss", "dbrx", "olmoe", "granitemoe", "llama4",
+    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "llama4",
                            "llama4_text", "jamba", "gemma4_text", "glm4_moe", "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
                                                "bamba", "nemotron_h", "zamba2", "lfm2"),
@@ -137,6 +161,12 @@ READ_KEYS = {
 # and refused for the others.
 MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
             "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"}
+# gpt-oss's own keys instead: the clamped SwiGLU's gain and clamp, `experts_per_token` (the
+# published config's copy of num_experts_per_tok, which transformers ignores: it must equal
+# it) and `initial_context_length` (OpenAI's name for YaRN's original context, read by neither
+# transformers nor vLLM: inert).
+GPT_OSS_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "swiglu_alpha",
+                "swiglu_limit", "experts_per_token", "initial_context_length"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -149,14 +179,23 @@ def check_family(family, name: str) -> None:
         f"model {name!r}: model_type {family!r} is not supported"
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
         f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP or experts routed "
-        "by a softmax's top k, grouped-query attention over full or sliding windows.")
+        "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
+        "sliding windows, with or without sinks.")
 
 
 def check_keys(hf: dict, name: str) -> None:
     """Every key of config.json is read, inert or at the one value the decoder builds; any
     other is refused by name (a key ignored would run a model the user did not give)."""
     known = READ_KEYS | INERT_KEYS | set(FIXED_KEYS)
-    if FAMILIES[hf["model_type"]].experts:
+    if "quantization_config" in hf:
+        method = (hf["quantization_config"] or {}).get("quant_method", "?")
+        raise ConfigError(
+            f"model {name!r}: config.json has quantization_config (quant_method {method!r}); "
+            "the kit builds the unquantized model (bf16 weights): drop the quantization_config "
+            "key from config.json to size or run it so.")
+    if hf["model_type"] == "gpt_oss":
+        known |= GPT_OSS_KEYS
+    elif FAMILIES[hf["model_type"]].experts:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)
     fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
@@ -179,6 +218,8 @@ def layer_types(hf: dict, family: str, name: str) -> tuple:
     kinds = hf.get("layer_types")
     if kinds is None and family == "gemma2":
         kinds = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    elif kinds is None and family == "gpt_oss":  # its class slides on every other layer
+        kinds = [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
     elif kinds is None and family == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or 6
         kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
@@ -200,7 +241,8 @@ def layer_types(hf: dict, family: str, name: str) -> tuple:
 
 
 def rope(hf: dict, name: str) -> tuple[float, float | None, tuple]:
-    """RoPE's base for full layers, for sliding ones (None: the same) and Llama 3's scaling.
+    """RoPE's base for full layers, for sliding ones (None: the same) and Llama 3's or YaRN's
+    scaling.
     transformers 5 writes `rope_parameters`, one dict or one per attention kind (Gemma 3);
     4.x wrote `rope_theta`, `rope_local_base_freq` and `rope_scaling`."""
     params = hf.get("rope_parameters") or {}
@@ -211,27 +253,53 @@ def rope(hf: dict, name: str) -> tuple[float, float | None, tuple]:
     if local and (local.get("rope_type") or "default") != "default":
         raise ConfigError(f"model {name!r}: rope scaling {local.get('rope_type')!r} on sliding "
                           "layers is not supported")
-    return theta, local_theta, rope_scaling(hf.get("rope_scaling") or full, name)
+    return theta, local_theta, rope_scaling(hf.get("rope_scaling") or full, name,
+                                            hf.get("max_position_embeddings", 2048))
 
 
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                     "original_max_position_embeddings")
+# YaRN's keys as transformers reads them, with its defaults (None: derived: the original
+# context is max_position_embeddings, the factor their ratio, the attention factor
+# 0.1·ln(factor) + 1, or DeepSeek's ratio of two such terms when `mscale` and `mscale_all_dim`
+# are given).
+YARN_ROPE_KEYS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "truncate": True, "attention_factor": None}
 
 
-def rope_scaling(params: dict, name: str) -> tuple:
-    """Llama 3's RoPE scaling (`rope_scaling`, or transformers 5's `rope_parameters`) as
-    (key, value) pairs, () for none; every other kind refused, since ignoring it would give
-    a real checkpoint wrong logits."""
+def rope_scaling(params: dict, name: str, max_positions: int = 2048) -> tuple:
+    """Llama 3's or YaRN's RoPE scaling (`rope_scaling`, or transformers 5's
+    `rope_parameters`) as (key, value) pairs, its "rope_type" first, () for none; every other
+    kind refused, since ignoring it would give a real checkpoint wrong logits."""
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         return ()
+    if kind == "yarn":
+        return (("rope_type", "yarn"), *yarn_scaling(params, max_positions))
     missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
     if kind != "llama3" or missing:
         raise ConfigError(f"model {name!r}: rope scaling {kind!r} "
                           f"{'lacks ' + str(missing) if kind == 'llama3' else 'is not supported'}"
-                          "; the kit's RoPE covers none and Llama 3's ('llama3')")
-    return tuple((k, params[k]) for k in LLAMA3_ROPE_KEYS)
+                          "; the kit's RoPE covers none, Llama 3's ('llama3') and YaRN ('yarn')")
+    return (("rope_type", "llama3"), *((k, params[k]) for k in LLAMA3_ROPE_KEYS))
 
+
+def yarn_scaling(params: dict, max_positions: int) -> tuple:
+    """YaRN's settings with transformers' defaults filled in and the attention factor (what
+    cos and sin are multiplied by) derived where not given (`_compute_yarn_parameters`)."""
+    got = {k: params.get(k) if params.get(k) is not None else d
+           for k, d in YARN_ROPE_KEYS.items()}
+    original = got["original_max_position_embeddings"] = \
+        got["original_max_position_embeddings"] or max_positions
+    factor = got["factor"] = got["factor"] or max_positions / original
+
+    def mscale(m=1.0):
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if got["attention_factor"] is None:
+        both = params.get("mscale") and params.get("mscale_all_dim")
+        got["attention_factor"] = mscale(params["mscale"]) / mscale(params["mscale_all_dim"]) \
+            if both else mscale()
+    return tuple(got.items())
 
 
 def mlp_kinds(hf: dict, family: str, name: str) -> tuple:
@@ -263,5 +331,12 @@ def experts_of(hf: dict, family: str, name: str) -> dict:
                           f"num_experts (or num_local_experts), num_experts_per_tok no larger, "
                           f"and an intermediate size; config.json has {num!r}, {top_k!r}, "
                           f"{size!r}")
+    if family == "gpt_oss" and hf.get("experts_per_token", top_k) != top_k:
+        raise ConfigError(f"model {name!r}: experts_per_token={hf['experts_per_token']!r} "
+                          f"differs from num_experts_per_tok={top_k!r} (what transformers and "
+                          "vLLM read; the published configs carry both, equal)")
+    # gpt-oss's softmax over the k picked logits sums to 1, as a renormalised top k does
     return {"num_experts": num, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
-            "norm_topk_prob": True if family == "mixtral" else bool(hf.get("norm_topk_prob"))}
+            "norm_topk_prob": family in ("mixtral", "gpt_oss") or bool(hf.get("norm_topk_prob")),
+            **({"swiglu_alpha": hf["swiglu_alpha"], "swiglu_limit": hf["swiglu_limit"]}
+               if FAMILIES[family].expert_act == "clamped_swiglu" else {})}

@@ -35,7 +35,8 @@ class ModelConfig:
     attention_bias: bool
     torch_dtype: str
     checkpoint: str | None = None  # a folder of safetensors weights to load; None: random
-    rope_scaling: tuple = ()       # Llama 3's RoPE scaling as (key, value) pairs; () for none
+    rope_scaling: tuple = ()       # Llama 3's or YaRN's RoPE scaling as (key, value) pairs,
+    #                                "rope_type" first; () for none
     layer_types: tuple = ()        # each layer's attention kind (FULL or SLIDING); (): all full
     sliding_window: int | None = None          # positions a SLIDING layer sees
     rope_local_base_freq: float | None = None  # RoPE base of SLIDING layers (Gemma 3); None: same
@@ -47,6 +48,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0   # experts each token is routed through (top k)
     moe_intermediate_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False   # the k picked probabilities renormalised to sum to 1
+    swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: gate·σ(alpha·gate)·(up + 1),
+    swiglu_limit: float | None = None  # gate clamped above at limit, up to ±limit
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -184,10 +187,20 @@ class ModelConfig:
         matrices, the attention biases, every norm, and the input embedding when untied."""
         h = self.hidden_size
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
-            if self.attention_bias else 0
+            + h * self.parts.o_bias if self.attention_bias else 0
         embed = 0 if self.tie_word_embeddings else self.vocab_size * h
         norms = len(self.parts.layer_norms) * h + 2 * self.head_dim * self.parts.qk_norm
-        return self.linear_weights() + embed + self.num_hidden_layers * (bias + norms) + h
+        sinks = self.num_attention_heads * self.parts.sinks
+        return self.linear_weights() + embed + self.experts_biases() + h \
+            + self.num_hidden_layers * (bias + norms + sinks)
+
+    def experts_biases(self) -> int:
+        """Elements of the routers' and experts' biases (gpt-oss's): per MoE layer one per
+        expert (router), and each expert's 2·I + H (gate, up, down)."""
+        if not self.parts.expert_bias:
+            return 0
+        per_layer = self.num_experts * (1 + 2 * self.moe_intermediate_size + self.hidden_size)
+        return per_layer * sum(map(self.is_moe, range(self.num_hidden_layers)))
 
     def hf_dict(self) -> dict:
         """The config.json that vLLM or transformers would read for this architecture."""
@@ -201,8 +214,9 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "hidden_act": self.hidden_act, "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,
-            **({"rope_scaling": {"rope_type": "llama3", **dict(self.rope_scaling)}}
-               if self.rope_scaling else {}),
+            **({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling
+               else {"rope_scaling": {"rope_type": "default"}} if self.family == "gpt_oss"
+               else {}),
             **self.attention_keys(), **self.experts_keys(),
         }
 
@@ -213,6 +227,10 @@ class ModelConfig:
         keys = {"num_experts_per_tok": self.num_experts_per_tok}
         if self.family == "mixtral":
             return {**keys, "num_local_experts": self.num_experts}
+        if self.family == "gpt_oss":
+            return {**keys, "num_local_experts": self.num_experts, "attention_bias":
+                    self.attention_bias, "swiglu_alpha": self.swiglu_alpha,
+                    "swiglu_limit": self.swiglu_limit}
         dense = [i for i in range(self.num_hidden_layers) if not self.is_moe(i)]
         return {**keys, "num_experts": self.num_experts, "norm_topk_prob": self.norm_topk_prob,
                 "moe_intermediate_size": self.moe_intermediate_size,
@@ -237,6 +255,9 @@ class ModelConfig:
             keys["rope_local_base_freq"] = self.rope_local_base_freq or self.rope_theta
         if self.family in ("mistral", "mixtral"):  # no layer_types: every layer or none
             keys["sliding_window"] = self.sliding_window
+        elif self.family == "gpt_oss":  # its class would slide every other layer over 128
+            keys["sliding_window"] = self.sliding_window
+            keys["layer_types"] = [self.attention_kind(i) for i in range(self.num_hidden_layers)]
         elif self.sliding_window:
             keys["sliding_window"] = self.sliding_window
             keys["layer_types"] = list(self.layer_types)

@@ -2,7 +2,8 @@
 
 `load_checkpoint` fills a `Decoder` from the folder `arch.checkpoint` (memory-mapped, cast to
 the model's dtype, Q/K/V and gate/up copied into the fused matrices, each expert's matrices into
-the stacked ones); `write_checkpoint`
+the stacked ones, gpt-oss's stacked experts converted to the kit's layout: `CONVERSIONS`);
+`write_checkpoint`
 writes a model's weights under Hugging Face's names, which transformers and vLLM load. Only
 safetensors are read, never pickles. Gemma's norms are stored as an offset from 1 both here
 and in transformers (`GemmaRMSNorm` multiplies by 1 + w), so they map one to one; so are
@@ -27,6 +28,39 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 IGNORED = (".rotary_emb.inv_freq",)  # buffers older checkpoints carry; recomputed here
 
 
+def deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate and up columns alternating -> gate's, then up's (the kit's halves)."""
+    return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """The kit's gate half, then up half -> gpt-oss's alternating columns."""
+    return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def swap_last(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2)
+
+
+# Tensors a checkpoint stores in another layout than the kit's parameter: the last part of the
+# kit's name -> (checkpoint -> kit, kit -> checkpoint). gpt-oss stores every expert in one tensor,
+# [E, in, out] (`gate_up_proj` [E, H, 2I] with gate and up columns alternating), where the kit
+# holds [E, out, in] with gate's rows, then up's (vLLM's FusedMoE layout).
+CONVERSIONS = {
+    "experts.gate_up_proj": (lambda t: swap_last(deinterleave(t)),
+                             lambda p: interleave(swap_last(p))),
+    "experts.gate_up_proj_bias": (deinterleave, interleave),
+    "experts.down_proj": (swap_last, swap_last),
+}
+
+
+def conversion(arch: ModelConfig, kit_name: str):
+    """The (to kit, to checkpoint) pair for parameter `kit_name`, None when stored as it is."""
+    if arch.parts.expert_names != "gpt_oss":
+        return None
+    return CONVERSIONS.get(kit_name.partition(".mlp.")[2])
+
+
 def layout(arch: ModelConfig) -> dict[str, list[str]]:
     """Each kit parameter -> the Hugging Face tensors stacked (along dim 0) to make it."""
     return {kit: [name for name, _ in parts] for kit, parts in tensors_of(arch).items()}
@@ -48,7 +82,8 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
         parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn."))
-        mlp = experts_tensors if arch.is_moe(i) else dense_mlp_tensors
+        mlp = dense_mlp_tensors if not arch.is_moe(i) else stacked_experts_tensors \
+            if arch.parts.expert_names == "gpt_oss" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
@@ -63,6 +98,10 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
              f"{kit}o_proj.weight": [(f"{hf}o_proj.weight", (h, q))]}
     if arch.attention_bias:
         parts[f"{kit}qkv_proj.bias"] = [(f"{hf}{p}_proj.bias", (rows[p],)) for p in "qkv"]
+    if arch.attention_bias and arch.parts.o_bias:
+        parts[f"{kit}o_proj.bias"] = [(f"{hf}o_proj.bias", (h,))]
+    if arch.parts.sinks:
+        parts[f"{kit}sinks"] = [(f"{hf}sinks", (arch.num_attention_heads,))]
     for norm in ("q_norm", "k_norm") if arch.parts.qk_norm else ():  # one scale per element
         parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (d,))]
     return parts
@@ -86,6 +125,19 @@ def experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
             f"{kit}experts.gate_up_proj": [(name(e, w), (inter, h)) for e in experts
                                            for w in (gate, up)],
             f"{kit}experts.down_proj": [(name(e, down), (h, inter)) for e in experts]}
+
+
+def stacked_experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """gpt-oss's router (biased) and experts, each matrix and bias one tensor for all experts
+    (as transformers writes them): [E, in, out], converted at load and write (`CONVERSIONS`)."""
+    h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    return {f"{kit}gate.weight": [(f"{hf}mlp.router.weight", (e, h))],
+            f"{kit}gate.bias": [(f"{hf}mlp.router.bias", (e,))],
+            f"{kit}experts.gate_up_proj": [(f"{hf}mlp.experts.gate_up_proj", (e, h, 2 * inter))],
+            f"{kit}experts.gate_up_proj_bias": [(f"{hf}mlp.experts.gate_up_proj_bias",
+                                                 (e, 2 * inter))],
+            f"{kit}experts.down_proj": [(f"{hf}mlp.experts.down_proj", (e, inter, h))],
+            f"{kit}experts.down_proj_bias": [(f"{hf}mlp.experts.down_proj_bias", (e, h))]}
 
 
 def open_files(stack: ExitStack, files: list[Path]) -> dict:
@@ -126,12 +178,13 @@ def check_tensors(arch: ModelConfig, where: dict) -> None:
 
 
 @torch.no_grad()
-def copy_into(param: torch.Tensor, parts: list[str], where: dict) -> None:
-    """Copy (and cast) the named tensors into consecutive rows of `param` (of its experts'
-    rows, for a stacked expert matrix)."""
+def copy_into(param: torch.Tensor, parts: list[str], where: dict, convert=None) -> None:
+    """Copy (and cast) the named tensors, each through `convert` where given, into consecutive
+    rows of `param` (of its experts' rows, for a stacked expert matrix)."""
     param, row = rows_of(param), 0
     for name in parts:
         tensor = where[name].get_tensor(name)
+        tensor = rows_of(convert(tensor)) if convert else tensor
         rows = param[row:row + tensor.shape[0]]
         rows.copy_(tensor)
         if not torch.isfinite(rows).all() and torch.isfinite(tensor).all():
@@ -159,7 +212,8 @@ def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
         check_tensors(arch, where)
         params = dict(model.named_parameters())
         for kit_name, parts in layout(arch).items():
-            copy_into(params[kit_name], parts, where)
+            convert = conversion(arch, kit_name)
+            copy_into(params[kit_name], parts, where, convert and convert[0])
 
 
 def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -167,9 +221,13 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tensors, params = {}, dict(model.named_parameters())
     shapes = hf_shapes(model.arch)
     for kit_name, parts in layout(model.arch).items():
+        param, convert = params[kit_name].detach(), conversion(model.arch, kit_name)
+        if convert:  # one tensor, in the checkpoint's layout
+            tensors[parts[0]] = convert[1](param).cpu().contiguous()
+            continue
         sizes = [shapes[name][0] for name in parts]
-        for name, piece in zip(parts, rows_of(params[kit_name]).split(sizes)):
-            tensors[name] = piece.detach().cpu().contiguous()
+        for name, piece in zip(parts, rows_of(param).split(sizes)):
+            tensors[name] = piece.cpu().contiguous()
     return tensors
 
 

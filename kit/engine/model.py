@@ -163,7 +163,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
         owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, RMSNorm):
             owner.reset_parameters()
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):  # ".bias", and the experts' "_bias"
             p.zero_()
         else:
             p.normal_(0.0, 0.02, generator=gen)

@@ -10,7 +10,8 @@ KV cache layout, bound before the first paged forward (`Attention.bind_kv_cache`
 runner binds each layer to its cache.
 Each layer holds its own scale, window and soft cap (`kit.engine.layers.prefill_attention`) as plain
 numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's query and key
-(`q_norm`, `k_norm`) before RoPE.
+(`q_norm`, `k_norm`) before RoPE; gpt-oss's layers hold a sink logit per head (`sinks`, a
+parameter; None elsewhere) and bias their output projection.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import NORMS
 from kit.engine.layers.rotary import apply_rope
-from kit.engine.layers.prefill_attention import prefill_attention, soft_cap
+from kit.engine.layers.prefill_attention import prefill_attention, sink_softmax, soft_cap
 
 
 class AttentionMetadata(NamedTuple):
@@ -118,7 +119,8 @@ def weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            max_context_len: int | None = None, scale: float | None = None,
-                           window: int | None = None, softcap: float | None = None):
+                           window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
 
     Keys and values are gathered through the block table, the first `max_context_len`
@@ -129,7 +131,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     are read (`window_tables`: a fixed number, so a sliding layer's step stops growing once the
     context passes its window), and older positions among them are masked. The scores are
     scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax runs in
-    float32.
+    float32, with each head's sink logit (`sinks` [heads], gpt-oss) in its denominator.
     """
     num_seqs, width = block_tables.shape
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
@@ -160,7 +162,8 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     if softcap is not None:
         scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    weights = scores.softmax(-1)
+    weights = sink_softmax(scores, None if sinks is None
+                           else sinks.view(1, kv_heads, per_kv_head, 1))
     if summed:
         out = weighted_values(weights, v)
     else:
@@ -207,7 +210,8 @@ class Attention(nn.Module):
         # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
         # layer instead of three, which streams the weights faster at a decode batch.
         self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
-        self.o_proj = Linear(q, arch.hidden_size, bias=False)
+        self.o_proj = Linear(q, arch.hidden_size, bias=arch.attention_bias and arch.parts.o_bias)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.parts.sinks else None
         self.qk_norm = arch.parts.qk_norm
         if self.qk_norm:  # each head's query and key normed over head_dim, before RoPE
             self.q_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
@@ -244,10 +248,11 @@ class Attention(nn.Module):
                 return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
-                                              self.scale, self.window, self.softcap)
+                                              self.scale, self.window, self.softcap,
+                                              self.sinks)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
         out = prefill_attention(per_seq(q), per_seq(k), per_seq(v), self.scale, self.window,
-                                self.softcap)
+                                self.softcap, self.sinks)
         return out.transpose(1, 2).reshape(q.shape)

@@ -2,11 +2,14 @@
 experts for each token, each picked expert runs the gated MLP on it, and their outputs are
 summed weighted by the router's probabilities.
 
-    router     logits = x · gate.weightᵀ                      [tokens, E]
+    router     logits = x · gate.weightᵀ (+ gate.bias, gpt-oss)   [tokens, E]
     route      softmax over the E logits (float32), the k largest, renormalised to sum to 1
-               where the config says so (`ModelConfig.norm_topk_prob`; Mixtral always)
+               where the config says so (`ModelConfig.norm_topk_prob`; Mixtral always);
+               gpt-oss ("topk_softmax"): the k largest logits, then the softmax over those k
     experts    expert e: down_e(act(gate_e · x) × up_e · x), its gate and up in one matrix
-               (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], as vLLM's FusedMoE holds them)
+               (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], as vLLM's FusedMoE holds them);
+               gpt-oss adds each expert's biases (`gate_up_proj_bias` [E, 2I], `down_proj_bias`
+               [E, H]) and clamps its SwiGLU: gate·σ(α·gate)·(up + 1), gate ≤ limit, |up| ≤ limit
 
 Every expert's weights stay resident, but a token reads only its k. The tokens are sorted by
 the expert they picked and each expert multiplies its rows in one grouped product
@@ -33,6 +36,15 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
 
+
+def route_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
+    """("topk_softmax", gpt-oss) -> the softmax (float32) of each token's k largest logits, and
+    their ids [tokens, k]; their weights sum to 1 by construction."""
+    top, ids = logits.topk(k, dim=-1)
+    return top.float().softmax(-1), ids
+
+
+ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax}  # `Parts.experts` -> router
 
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
@@ -87,11 +99,23 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.gelu = arch.hidden_act != "silu"
         self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"
+        bias = arch.parts.expert_bias  # gpt-oss: each expert's biases, stacked
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if bias else None
+        self.clamped = arch.parts.expert_act == "clamped_swiglu"
+        self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.clamped:  # gpt-oss's SwiGLU, clamped
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
         gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
         return gate * up
+
+    def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
+        return rows if bias is None else rows + bias[expert_of_row]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, H], each token's k experts `ids` and their `weights` [tokens, k] ->
@@ -101,25 +125,29 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
         token_of = order // k
         ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        hidden = self.act(grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), ends))
-        out = grouped_mm(hidden, self.down_proj.transpose(1, 2), ends)
+        gate_up = grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), ends)
+        hidden = self.act(self.biased(gate_up, self.gate_up_proj_bias, flat[order]))
+        out = self.biased(grouped_mm(hidden, self.down_proj.transpose(1, 2), ends),
+                          self.down_proj_bias, flat[order])
         summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
         summed.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
         return summed.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
-    """The MLP of an MoE layer: the router (`gate`, a matrix [E, H]) and the experts."""
+    """The MLP of an MoE layer: the router (`gate`, a matrix [E, H], biased for gpt-oss) and
+    the experts."""
 
     def __init__(self, arch: ModelConfig):
         super().__init__()
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
-        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.router = ROUTE[arch.parts.experts]
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.parts.expert_bias)
         self.experts = Experts(arch)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k experts: (weights float32, ids), [tokens, k] each."""
-        return route(self.gate(x), self.top_k, self.renormalize)
+        return self.router(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.route(x))

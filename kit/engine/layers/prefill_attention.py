@@ -1,8 +1,9 @@
 """What attention does to its scores besides q·k times a scale (chapters 01, 03–05): a sliding
 window that hides keys older than the last `window` positions (Mistral, Gemma 2 and 3, Qwen),
-and Gemma 2's soft-capping of the scores. `prefill_attention` is the attention within each
-sequence: SDPA's fused kernel, but written out (matmul, cap, mask, softmax) when the scores are
-capped, which SDPA cannot do.
+Gemma 2's soft-capping of the scores, and gpt-oss's sinks (one learned logit per head that
+joins the softmax's denominator, its weight then dropped: a head may attend to nothing).
+`prefill_attention` is the attention within each sequence: SDPA's fused kernel, but written out
+(matmul, cap, mask, softmax) when the scores are capped or sunk, which SDPA cannot do.
 
 A window or a cap materialises the scores: SDPA with a mask and grouped KV heads runs its math
 kernel, in float32 on a GPU, and the capped form writes them out itself. Their bytes grow with
@@ -29,6 +30,16 @@ SCORE_BYTES = 4  # float32
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap · tanh(x / cap): x squeezed into (-cap, cap), nearly unchanged where |x| << cap."""
     return cap * torch.tanh(x / cap)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last dim of float32 `scores`, with each head's sink logit (`sinks`,
+    shaped to broadcast against scores[..., :1]) in the denominator and its weight dropped, as
+    transformers' and vLLM's gpt-oss do; the plain softmax without sinks."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor,
@@ -59,28 +70,33 @@ def query_chunk(num_seqs: int, heads: int, length: int, window: int | None,
 
 
 def masked_attention(q, k, v, scale: float, first_query: int = 0, first_key: int = 0,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Queries at positions first_query.. against keys at first_key.. (q [seqs, heads, n, dim],
     k and v [seqs, kv_heads, m, dim]), causal and within `window`: SDPA with the mask, or,
-    with `softcap`, the scores written out and capped, in float32 as is their softmax."""
+    with `softcap` or `sinks` ([heads]), the scores written out (and capped), in float32 as is
+    their softmax (with the sinks)."""
     query_pos = torch.arange(first_query, first_query + q.shape[2], device=q.device)
     key_pos = torch.arange(first_key, first_key + k.shape[2], device=q.device)
     mask = visible_keys(query_pos, key_pos, window)
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)).float() * scale, softcap)
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    weights = sink_softmax(scores.masked_fill(~mask, float("-inf")),
+                           None if sinks is None else sinks.view(1, -1, 1, 1))
     return torch.matmul(weights.to(q.dtype), v)
 
 
 def prefill_attention(q, k, v, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Causal attention within each sequence: q [seqs, heads, len, dim], k and v [seqs, kv_heads,
-    len, dim] -> [seqs, heads, len, dim]. Full attention without a cap is SDPA's causal kernel
-    (memory linear in len); a window or a cap goes through `masked_attention`, its queries in
+    len, dim] -> [seqs, heads, len, dim]. Full attention without a cap or sinks is SDPA's
+    causal kernel (memory linear in len); a window, a cap or sinks go through `masked_attention`, its queries in
     chunks (`query_chunk`) when the scores would pass MAX_SCORE_BYTES, each chunk against the
     keys from the first one its earliest query sees (a window's start) to its own last query.
     (The bound is the module's, not an argument: each argument with a default adds guards to
@@ -89,18 +105,19 @@ def prefill_attention(q, k, v, scale: float, window: int | None = None,
     Compiled code takes the whole score tensor, as before: a loop over a length Dynamo keeps
     symbolic (the CPU's compiled prefill) would pin that length. The prefills that reach the
     bound (chapter 04's on a GPU) run eagerly."""
-    if softcap is None and window is None:
+    if softcap is None and window is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     length = q.shape[2]
     rows = length if torch.compiler.is_compiling() else query_chunk(
         q.shape[0], q.shape[1], length, window, MAX_SCORE_BYTES)
     if rows >= length:
-        return masked_attention(q, k, v, scale, window=window, softcap=softcap)
+        return masked_attention(q, k, v, scale, window=window, softcap=softcap, sinks=sinks)
     chunks = []
     for start in range(0, length, rows):
         end = min(length, start + rows)
         first = 0 if window is None else max(0, start - window + 1)
         chunks.append(masked_attention(q[:, :, start:end], k[:, :, first:end],
-                                       v[:, :, first:end], scale, start, first, window, softcap))
+                                       v[:, :, first:end], scale, start, first, window, softcap,
+                                       sinks))
     return torch.cat(chunks, dim=2)

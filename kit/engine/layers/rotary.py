@@ -1,6 +1,6 @@
-"""Rotary position embeddings (RoPE), with Llama 3's scaling of the frequencies (chapters 01,
-03–05): `rope_cos_sin` once per forward for its positions, `apply_rope` to each layer's queries
-and keys.
+"""Rotary position embeddings (RoPE), with Llama 3's or YaRN's scaling of the frequencies
+(chapters 01, 03–05): `rope_cos_sin` once per forward for its positions, `apply_rope` to each
+layer's queries and keys. YaRN also multiplies cos and sin by its attention factor.
 """
 from __future__ import annotations
 
@@ -22,15 +22,39 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen): frequencies that turn fewer than `beta_slow` times over the
+    original context are divided by `factor`, those turning more than `beta_fast` times kept,
+    and a linear ramp between (transformers' `_compute_yarn_parameters`, vLLM's the same)."""
+    dim, factor = 2 * inv_freq.numel(), scaling["factor"]
+    context = scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations):  # the dimension whose frequency turns `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(scaling["beta_fast"]), dim_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) \
+        / (high - low if high != low else 0.001)
+    kept = 1 - ramp.clamp(0, 1)  # 1: extrapolated (kept), 0: interpolated (divided)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple = ()):
     """cos and sin of shape [tokens, head_dim / 2] for the rotary embedding (`scaling`: Llama
-    3's, as `ModelConfig.rope_scaling` holds it)."""
+    3's or YaRN's, as `ModelConfig.rope_scaling` holds it)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    if scaling:
-        inv_freq = llama3_inv_freq(inv_freq, dict(scaling))
+    scaling, factor = dict(scaling), 1.0
+    if scaling.get("rope_type") == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
+    elif scaling.get("rope_type") == "yarn":
+        inv_freq, factor = yarn_inv_freq(inv_freq, theta, scaling), scaling["attention_factor"]
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
+    if factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * factor, freqs.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
