@@ -116,3 +116,15 @@ def test_chapter_01s_weights_split_and_one_layer():
     assert (layer.num_hidden_layers, layer.mlp_kinds) == (1, ("experts",))
     assert layer.num_parameters() == ModelConfig.load("tiny-moe").num_parameters() \
         - 3 * layer.layer_weights(0) - 3 * 2 * 256 - 3 * 2 * 32
+
+
+def test_the_experts_pair_profiles_under_a_preset_longer_than_tiny(monkeypatch):
+    """The gpu preset's max_model_len (8,192) is beyond tiny's 2,048: the pair's settings are
+    cut to it (a profile does not read it) rather than refused."""
+    from kit.studies import memory_profiling
+    seen = []
+    monkeypatch.setattr(memory_profiling, "profile_memory",
+                        lambda s, arch: seen.append((s.model, s.max_model_len, arch)))
+    memory_profiling.experts_profiles(load("gpu", device="cpu"))
+    assert [(m, n, a.num_hidden_layers) for m, n, a in seen] == [("tiny-moe", 2048, 1),
+                                                                   ("tiny", 2048, 1)]

@@ -107,7 +107,10 @@ def experts_profiles(settings, models=EXPERTS_PAIR) -> dict[str, dict[str, Memor
     k experts each, the dense model runs them through its MLP."""
     out = {}
     for name in models:
-        s = replace(settings, model=name)
+        n = min(settings.max_model_len, ModelConfig.load(name).max_position_embeddings)
+        s = replace(settings, model=name, max_model_len=n,  # the profile does not read these
+                    input_len=min(settings.input_len, n // 2),
+                    output_len=min(settings.output_len, n // 2))
         out[name] = profile_memory(s, arch=one_layer(s.arch))
     return out
 
