@@ -15,7 +15,8 @@ from kit.vllm.model_folder import cached_model_folder
 PUBLISHED_PARAMETERS = {"gemma-2b": 2_506_172_416, "llama-3.2-1b": 1_235_814_400,
                         "qwen2.5-0.5b": 494_032_768, "llama-3.1-8b": 8_030_261_248,
                         "qwen3-0.6b": 596_049_920, "gemma-3-1b": 999_885_952,
-                        "gemma-2-2b": 2_614_341_888, "mistral-7b-v0.1": 7_241_732_096}
+                        "gemma-2-2b": 2_614_341_888, "mistral-7b-v0.1": 7_241_732_096,
+                        "qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}
 
 
 @pytest.mark.parametrize("name,count", PUBLISHED_PARAMETERS.items())

@@ -182,6 +182,11 @@ class ModelConfig:
         return sum(self.num_experts * self.expert_weights()
                    for i in range(self.num_hidden_layers) if self.is_moe(i))
 
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: `num_parameters` with each MoE layer's experts
+        cut to the k it picks (the routers, attention and embeddings all counted)."""
+        return self.num_parameters() - self.linear_weights() + self.linear_weights(active=True)
+
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (the model's real count must equal it): the
         matrices, the attention biases, every norm, and the input embedding when untied."""

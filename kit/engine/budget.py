@@ -55,7 +55,12 @@ def weights_budget(arch, model_dtype: str, capacity_bytes: int, gpu_memory_utili
                    tensor_parallel_size: int = 1, activation_bytes: int = 0) -> MemoryBudget:
     """The budget before any weights are loaded: the weights counted from the shapes (split
     evenly over the ranks: vLLM shards the linear layers and the embedding; the small norms
-    are replicated), with `activation_bytes` when known."""
+    are replicated), with `activation_bytes` when known. A mixture of experts keeps every
+    expert resident, so `num_parameters` counts all of them, not the k a token runs; over
+    tensor-parallel ranks vLLM's FusedMoE splits each expert's intermediate size (or, with
+    expert parallelism, the experts themselves), so they too divide evenly. Only the routers
+    are replicated, like the norms: E × hidden per MoE layer (12 MiB of Qwen3-30B-A3B's 57 GiB
+    in bf16), left in the split."""
     weights = arch.num_parameters() * DTYPE_BYTES[model_dtype] // tensor_parallel_size
     return MemoryBudget(capacity_bytes, gpu_memory_utilization, weights, activation_bytes)
 
@@ -71,9 +76,33 @@ def kv_budget(settings, profile: str, profile_kv_cache_bytes: int | None) -> tup
     return profile_kv_cache_bytes, f"the {profile} memory profile"
 
 
+def mlp_live_elements(arch, layer: int) -> int:
+    """Elements one token holds at the peak of layer `layer`'s MLP. Dense: the gate and up
+    outputs and the activated product, 3 × intermediate_size. Experts: the token's k routed
+    rows in vLLM's fused-experts workspace (`fused_experts_impl`), each a gate-and-up row of
+    2 × moe_intermediate_size sharing its memory with the row's down output (hidden_size),
+    beside its activated row (moe_intermediate_size)."""
+    if not arch.is_moe(layer):
+        return 3 * arch.intermediate_size
+    i = arch.moe_intermediate_size
+    return arch.num_experts_per_tok * (max(2 * i, arch.hidden_size) + i)
+
+
+def mlp_floor_bytes(arch, num_tokens: int, dtype_bytes: int) -> int:
+    """The least an MLP must hold for `num_tokens` tokens at once, whatever runs it: the
+    dense intermediate (tokens × intermediate_size), or the routed gate-and-up rows (tokens ×
+    k rows of 2 × moe_intermediate_size), the larger over the layers."""
+    per_token = max(arch.num_experts_per_tok * 2 * arch.moe_intermediate_size
+                    if arch.is_moe(i) else arch.intermediate_size
+                    for i in range(arch.num_hidden_layers))
+    return num_tokens * per_token * dtype_bytes
+
+
 def estimate_activation_bytes(arch, num_tokens: int, num_seqs: int, dtype_bytes: int) -> int:
     """A rough eager peak for models the kit has not profiled: one layer's largest live set
-    (residual and normed input, the MLP's gate, up and activated tensors) for every token, plus
-    the logits of one token per sequence (model dtype and an fp32 copy for sampling)."""
-    per_token = (2 * arch.hidden_size + 3 * arch.intermediate_size) * dtype_bytes
+    (residual and normed input, and the largest MLP's live elements, `mlp_live_elements`) for
+    every token, plus the logits of one token per sequence (model dtype and an fp32 copy for
+    sampling)."""
+    mlp = max(mlp_live_elements(arch, i) for i in range(arch.num_hidden_layers))
+    per_token = (2 * arch.hidden_size + mlp) * dtype_bytes
     return num_tokens * per_token + num_seqs * arch.vocab_size * (dtype_bytes + 4)

@@ -158,14 +158,16 @@ def profile_run(model: Decoder, settings: Settings, name: str, weights: int,
         timeline_bytes=measured.timeline_bytes, timeline_ops=measured.timeline_ops)
 
 
-def profile_memory(settings: Settings, profiles: dict = PROFILES) -> dict[str, MemoryProfile]:
+def profile_memory(settings: Settings, profiles: dict = PROFILES,
+                   arch=None) -> dict[str, MemoryProfile]:
     """Load the model once and profile it each way (`profiles`: name -> strategy), side by side
     in one process. A compiled profile's runner compiles first (its time reported apart) and is
-    discarded after its measurement: the profiling compilation is thrown away, as in vLLM #7796."""
+    discarded after its measurement: the profiling compilation is thrown away, as in vLLM #7796.
+    `arch`: a shape to profile instead of the settings' model (chapter 01's one layer of it)."""
     check_fits(settings)
     gc.collect()
     before = cuda_usage() if settings.device == "cuda" else None
-    model = build_model(settings.arch, settings.dtype, settings.device, settings.seed)
+    model = build_model(arch or settings.arch, settings.dtype, settings.device, settings.seed)
     weights = weights_bytes(model)
     results = {}
     with torch.inference_mode():

@@ -44,12 +44,22 @@ def model_table(settings, *names: str) -> Table:
     row = {"model": a.name, "family": a.family, "layers": a.num_hidden_layers,
            "hidden": a.hidden_size,
            "heads / KV heads": f"{a.num_attention_heads} / {a.num_key_value_heads}",
-           "head_dim": a.head_dim, "parameters": f"{a.num_parameters():,}",
+           "head_dim": a.head_dim, "parameters": parameters_cell(a),
            "dtype": settings.dtype, "device": settings.device}
     values = settings.as_dict()  # typed: sizes are `Bytes`
     row.update({n: fmt_bytes(values[n]) if isinstance(values[n], Bytes) else values[n]
                 for n in names})
     return Table([row])
+
+
+def parameters_cell(arch) -> str:
+    """The parameter count; for a mixture of experts, every expert's (resident) and those one
+    token runs (`ModelConfig.active_parameters`)."""
+    total = f"{arch.num_parameters():,}"
+    if not arch.num_experts:
+        return total
+    return (f"{total} ({arch.active_parameters():,} active: {arch.num_experts_per_tok} of "
+            f"{arch.num_experts} experts)")
 
 
 # --- chapter 00 -------------------------------------------------------------------------------

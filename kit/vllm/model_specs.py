@@ -12,17 +12,34 @@ import os
 from dataclasses import replace
 
 
-def init_single_rank() -> None:
+def init_single_rank(vllm_config) -> None:
     """A one-rank torch.distributed world with tensor and pipeline parallel groups of one,
     as a worker sets up before it builds the model (`init_worker_distributed_environment`);
-    once per process, and left alone when an engine in this process already made one."""
+    once per process, and left alone when an engine in this process already made one. vLLM
+    makes the expert-parallel group only when the world's first model is a mixture of
+    experts, so a later one (after a dense model, or a dense engine) gets its group of one
+    here (`ep_group_of_one`)."""
     from vllm.distributed.parallel_state import (ensure_model_parallel_initialized,
                                                  init_distributed_environment,
                                                  model_parallel_is_initialized)
-    if model_parallel_is_initialized():
-        return
-    init_distributed_environment(1, 0, f"file:///tmp/kit-vllm-specs-{os.getpid()}", 0, "gloo")
-    ensure_model_parallel_initialized(1, 1)
+    if not model_parallel_is_initialized():
+        init_distributed_environment(1, 0, f"file:///tmp/kit-vllm-specs-{os.getpid()}", 0,
+                                     "gloo")
+        ensure_model_parallel_initialized(1, 1)
+    if vllm_config.model_config.is_moe:
+        ep_group_of_one()
+
+
+def ep_group_of_one() -> None:
+    """The expert-parallel group a one-rank MoE model's layers ask for (`get_ep_group`), made
+    as `initialize_model_parallel` makes it, where the world has none yet."""
+    import torch.distributed
+    from vllm.distributed import parallel_state as ps
+    if ps._EP is None:
+        world = ps.get_world_group()
+        ps._EP = ps.init_model_parallel_group(
+            [[world.rank]], world.local_rank, torch.distributed.get_backend(world.device_group),
+            group_name="ep")
 
 
 def build_on_meta(vllm_config) -> None:
@@ -34,7 +51,7 @@ def build_on_meta(vllm_config) -> None:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
     with set_current_vllm_config(vllm_config):
-        init_single_rank()
+        init_single_rank(vllm_config)
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
             initialize_model(vllm_config=vllm_config)
 
