@@ -343,3 +343,13 @@ def test_expected_distinct_experts():
     assert expected_distinct_experts(8, 2, 1000) == pytest.approx(8)
     assert expected_distinct_experts(128, 8, 8) == pytest.approx(128 * (1 - (120 / 128) ** 8))
     assert distinct_experts(torch.tensor([[0, 3], [3, 5]])) == 3
+
+
+def test_an_moe_forward_compiles_to_one_graph():
+    """Routing keeps every shape fixed by the number of tokens: Dynamo traces the whole MoE
+    model as one graph, without a break (a `bincount` or a host loop over experts breaks)."""
+    arch = small("qwen3_moe")
+    model = build_model(arch, "float32", "cpu")
+    explained = torch._dynamo.explain(model.forward)(torch.randint(0, 101, (2, 5)))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        explained.break_reasons

@@ -88,6 +88,13 @@ def _(rows, weights, ends):
     return rows.new_empty(rows.shape[0], weights.shape[2])
 
 
+def picks_per_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many (token, pick) pairs chose each expert, [E]: a fixed shape, so compiled code
+    keeps one graph (`torch.bincount`'s shape depends on the ids, and Dynamo breaks there)."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
 class Experts(nn.Module):
     """E gated MLPs, their weights stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]."""
 
@@ -124,7 +131,7 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
         token_of = order // k
-        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        ends = picks_per_expert(flat, self.num_experts).cumsum(0).to(torch.int32)
         gate_up = grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), ends)
         hidden = self.act(self.biased(gate_up, self.gate_up_proj_bias, flat[order]))
         out = self.biased(grouped_mm(hidden, self.down_proj.transpose(1, 2), ends),
