@@ -5,14 +5,18 @@ A decode step feeds one new token per sequence. However it is implemented, it mu
 
     read the weights once        every linear layer's matrix, the LM head included; of the input
                                  embedding only the rows of the batch's tokens (with tied
-                                 embeddings the LM head is that same table, read once)
+                                 embeddings the LM head is that same table, read once); of an
+                                 MoE layer the router and only the distinct experts the batch's
+                                 tokens picked (`experts_read`, recorded per step:
+                                 `kit.engine.expert_picks`), every expert when not told
     read the cached context      for each sequence, the K and V of every token before the new one
     write the new K and V        one token per sequence, every layer
     write the logits             num_seqs × vocab_size
 
     floor (s) = bytes / measured copy bandwidth (bytes read + written per second)
 
-and it computes 2 FLOPs per weight per token for the matrix products plus 4 × heads × head_dim
+and it computes 2 FLOPs per active weight per token for the matrix products (a token runs only
+its k experts: `ModelConfig.linear_weights(active=True)`) plus 4 × heads × head_dim
 per layer per attended token (scores and the weighted sum of values). The arithmetic here is
 pure Python (the shapes come from `kit.config.ModelConfig`); the two measurements are
 `kit.measure.throughput`'s probes, bounded in time.
@@ -36,6 +40,7 @@ class StepCost:
     kv_write_bytes: int
     logits_bytes: int
     flops: int
+    experts_read: tuple[int, ...] = ()  # distinct experts read per MoE layer (empty: dense)
 
     @property
     def total_bytes(self) -> int:
@@ -54,37 +59,53 @@ class StepCost:
                 **Bytes.of({"weight_bytes": self.weight_bytes, "kv_read_bytes": self.kv_read_bytes,
                             "kv_write_bytes": self.kv_write_bytes,
                             "logits_bytes": self.logits_bytes, "total_bytes": self.total_bytes}),
-                "flops": Flop(self.flops),
+                "flops": Flop(self.flops), "experts_read": Count.of(list(self.experts_read)),
                 "arithmetic_intensity": FlopPerByte(self.arithmetic_intensity)}
 
 
-def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int) -> int:
+def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int,
+                          experts_read=None) -> int:
     """Every parameter once, except that an untied input embedding is read only at the batch's
-    rows (the tied table is read whole by the LM head, already counted once)."""
-    params = arch.num_parameters()
+    rows (the tied table is read whole by the LM head, already counted once), and that an MoE
+    layer reads only the experts its tokens picked: `experts_read`, one count per MoE layer in
+    layer order (None: every expert, the most a step can read)."""
+    params = arch.num_parameters() - unread_expert_weights(arch, experts_read)
     if not arch.tie_word_embeddings:
         params -= arch.vocab_size * arch.hidden_size
     return (params + num_seqs * arch.hidden_size) * dtype_bytes
 
 
+def unread_expert_weights(arch: ModelConfig, experts_read=None) -> int:
+    """Elements of the experts no token of the step picked, over every MoE layer."""
+    moe = [i for i in range(arch.num_hidden_layers) if arch.is_moe(i)]
+    if experts_read is None:
+        return 0
+    if len(experts_read) != len(moe) or not all(0 < n <= arch.num_experts for n in experts_read):
+        raise ValueError(f"experts_read needs one count in 1..{arch.num_experts} per MoE layer "
+                         f"({len(moe)}), got {list(experts_read)}")
+    return sum(arch.num_experts - n for n in experts_read) * arch.expert_weights()
+
+
 def decode_step_cost(arch: ModelConfig, dtype_bytes: int, layer_specs,
-                     context_lens: list[int]) -> StepCost:
+                     context_lens: list[int], experts_read=None) -> StepCost:
     """The cost of one step in which sequence i's context is `context_lens[i]` tokens, its new
     token included. Each layer's KV cache spec (`layer_specs`, one per layer:
     `kit.engine.kv_specs`) says how many of them its attention reads (`tokens_read`: all for
     full attention, at most the last W for a window W, the new token among them, which is
-    written rather than read) and what it stores per token (`bytes_per_token`)."""
+    written rather than read) and what it stores per token (`bytes_per_token`). An MoE
+    model's step reads the distinct experts `experts_read` (per MoE layer) its batch picked."""
     num_seqs = len(context_lens)
     attended = [sum(spec.tokens_read(n) for n in context_lens) for spec in layer_specs]
     return StepCost(
         num_seqs=num_seqs,
-        weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs),
+        weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs, experts_read),
         kv_read_bytes=sum((a - num_seqs) * spec.bytes_per_token
                           for a, spec in zip(attended, layer_specs)),
         kv_write_bytes=num_seqs * sum(spec.bytes_per_token for spec in layer_specs),
         logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
-        flops=2 * num_seqs * arch.linear_weights()
-        + 4 * arch.num_attention_heads * arch.head_dim * sum(attended))
+        flops=2 * num_seqs * arch.linear_weights(active=True)
+        + 4 * arch.num_attention_heads * arch.head_dim * sum(attended),
+        experts_read=tuple(experts_read or ()))
 
 
 def formula(cost: StepCost, bandwidth: float) -> str:

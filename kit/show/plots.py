@@ -205,6 +205,36 @@ def step_vs_context(curves) -> go.Figure:
     return fig
 
 
+def experts_by_batch(curves) -> go.Figure:
+    """Left: median eager decode step (ms) against batch size per model (`BatchCurve`), each
+    one's floor dotted beneath (from the experts its steps picked); right: the MoE's distinct
+    experts per layer per step, measured beside E·(1 − (1 − k/E)^B)."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "decode step and its floor", "distinct experts a step reads, per layer"))
+    palette = ["#4c72b0", "#c44e52", "#55a868", "#8172b2"]
+    for curve, color in zip(curves, palette):
+        b = curve.batch_sizes
+        fig.add_scatter(x=b, y=[s * 1e3 for s in curve.medians], name=f"step: {curve.label}",
+                        mode="lines+markers", line_color=color, row=1, col=1)
+        fig.add_scatter(x=b, y=[s * 1e3 for s in curve.floor_medians], mode="lines",
+                        name=f"floor: {curve.label}", line=dict(color=color, dash="dot"),
+                        row=1, col=1)
+        if curve.is_moe:
+            fig.add_scatter(x=b, y=curve.measured_distinct, mode="markers", row=1, col=2,
+                            name=f"measured: {curve.label}", marker=dict(color=color, size=9))
+            fig.add_scatter(x=b, y=curve.expected_distinct, mode="lines", row=1, col=2,
+                            name="E·(1 − (1 − k/E)^B)", line=dict(color=color, dash="dash"))
+    for col in (1, 2):
+        fig.update_xaxes(type="log", title_text="batch size (sequences)",
+                         tickvals=curves[0].batch_sizes, row=1, col=col)
+    fig.update_yaxes(title_text="median decode step (ms)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="experts per layer", rangemode="tozero", row=1, col=2)
+    fig.update_layout(title="An MoE step reads more experts as the batch grows; a dense one "
+                            "reads the same weights")
+    return fig
+
+
 def kit_vs_vllm(labels: list[str], kit_values: list, vllm_values: list, title: str,
                 yaxis_title: str) -> go.Figure:
     """Grouped bars, the kit beside vLLM, one group per label (chapter 05). None: not measured."""

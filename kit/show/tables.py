@@ -415,3 +415,28 @@ def form_table(report) -> Table | str:
                        f"{f['best_compiled_seconds'] * 1e3:.2f}",
                    "the form buys (matmuls ÷ summed, eager)": f"{f['form_buys']:.2f}×",
                    "the compiler buys (eager ÷ compiled, summed)": f"{f['compiler_buys']:.2f}×"}])
+
+
+def experts_by_batch_table(curves) -> Table:
+    """Chapter 04: per batch size, each model's median eager step and floor, and the MoE's
+    distinct experts per layer measured beside E·(1 − (1 − k/E)^B)
+    (`kit.studies.experts_by_batch.BatchCurve`)."""
+    rows = []
+    for i, b in enumerate(curves[0].batch_sizes):
+        row = {"batch": b}
+        for c in curves:
+            row[f"{c.label} step / floor (ms)"] = \
+                f"{c.medians[i] * 1e3:.2f} / {c.floor_medians[i] * 1e3:.2f}"
+            if c.is_moe:
+                row[f"{c.label} experts per layer: measured / expected"] = \
+                    f"{c.measured_distinct[i]:.2f} / {c.expected_distinct[i]:.2f}"
+        rows.append(row)
+    return Table(rows)
+
+
+def routing_compile_table(results) -> Table:
+    """Chapter 04: what routing does to a compiled MoE layer
+    (`kit.studies.experts_by_batch.RoutingCompile`)."""
+    return Table([{"form": r.form, "routings": r.routings, "fullgraph=True": r.fullgraph,
+                   "graphs": r.graphs, "graph breaks": r.graph_breaks,
+                   "recompiles": r.recompiles} for r in results])

@@ -24,6 +24,7 @@ from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache, 
                                generate)
 from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
+from kit.engine.expert_picks import moe_layers, record_picks
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import summed_attention
 from kit.engine.model import Decoder, build_model, weights_bytes
@@ -312,6 +313,7 @@ class DecodeReport:
                             "output_len": s.output_len}),
                 "cache_fit": self.fit.summary(), "limits": self.limits.summary(),
                 "median_step_cost": self.median_cost.summary(),
+                "experts_read_per_step": [Count.of(list(c.experts_read)) for c in self.costs],
                 "floor_seconds": Seconds.of(self.floor_seconds),
                 "compute_floor_seconds": Seconds.of(self.compute_floor_seconds),
                 "compute_rate": FlopPerSecond(self.compute_rate),
@@ -350,8 +352,12 @@ def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
     mixed_lens, mixed = check_mixed_lengths(settings, layout, model, kv_cache)
     progress(f"mixed prompt lengths {mixed_lens}: max logit error {mixed.max_error:.1e} "
              f"(tolerance {mixed.tolerance:.0e} for {settings.dtype})")
-    costs = step_costs(settings, layout, fit)
     batch, prompts = decode_inputs(settings, layout, kv_cache)
+    picks = None
+    if moe_layers(model):  # what each step really reads: the experts its tokens picked
+        picks, _ = record_picks(model, batch, prompts, fit.steps)
+        progress(f"experts picked per step and MoE layer (eager pass): {picks.counts()}")
+    costs = step_costs(settings, layout, fit, picks.counts() if picks else None)
     samples = []  # the copy again after each round of timed runs
     summed = StrategyTiming(EAGER_SUMMED, len(prompts))
 
@@ -371,11 +377,13 @@ def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
                         weights_bytes=weights_bytes(model))
 
 
-def step_costs(settings: Settings, layout: KVCacheLayout, fit: CacheFit) -> list[StepCost]:
+def step_costs(settings: Settings, layout: KVCacheLayout, fit: CacheFit,
+               experts_read: list | None = None) -> list[StepCost]:
     """What each decode step of the run must move and compute (its context grows a token a
-    step)."""
+    step; an MoE step reads the experts recorded for it, `experts_read[t]` per MoE layer)."""
     return [decode_step_cost(settings.arch, settings.dtype_bytes, layout.specs,
-                             [n + t + 1 for n in fit.prompt_lens])
+                             [n + t + 1 for n in fit.prompt_lens],
+                             experts_read[t] if experts_read else None)
             for t in range(fit.steps)]
 
 

@@ -1,0 +1,121 @@
+"""Chapter 04 through experts: the experts each step picked (recorded), the bytes a step moves
+from them, and every strategy's step on an MoE model against the eager one."""
+import pytest
+import torch
+
+from kit.config import ModelConfig
+from kit.engine.decode import batch_for_run, check_against_no_cache, generate, make_prompts
+from kit.engine.expert_picks import moe_layers, record_picks
+from kit.engine.kv_cache import KVCacheLayout
+from kit.engine.layers.experts import distinct_experts
+from kit.engine.model import build_model
+from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
+from kit.engine.kv_specs import attention_specs
+
+
+def moe_arch(layers=2, experts=8, k=2, hidden=64, vocab=101):
+    return ModelConfig.from_dict({
+        "model_type": "qwen3_moe", "hidden_size": hidden, "intermediate_size": 96,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": vocab, "max_position_embeddings": 256,
+        "num_experts": experts, "num_experts_per_tok": k, "moe_intermediate_size": 32,
+        "norm_topk_prob": True}, f"moe-{layers}-{experts}-{k}")
+
+
+def run_of(a, prompts, steps=5, dtype="float32", block_size=4):
+    model = build_model(a, dtype, "cpu", seed=0)
+    layout = KVCacheLayout.for_model(a, block_size, dtype)
+    batch = batch_for_run(layout, [len(p) for p in prompts], steps, "cpu")
+    return model, batch
+
+
+def test_step_bytes_from_the_experts_picked_by_hand():
+    a = ModelConfig.from_dict({
+        "model_type": "qwen3_moe", "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 4, "vocab_size": 10, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 4}, "hand-moe")
+    # one expert: gate, up, down of 8×4 = 96; a layer's router 4×8 = 32, its 4 experts 384
+    assert a.expert_weights() == 96
+    every = weight_bytes_per_step(a, 2, 2)
+    assert weight_bytes_per_step(a, 2, 2, (4, 4)) == every
+    # layer 0 read 2 of its 4 experts, layer 1 read 3: 2 + 1 experts never read
+    assert every - weight_bytes_per_step(a, 2, 2, (2, 3)) == 3 * 96 * 2
+    specs = attention_specs((None, None), 16, 1, 4, 2)
+    cost = decode_step_cost(a, 2, specs, [3, 5], (2, 3))
+    assert cost.weight_bytes == every - 576 and cost.experts_read == (2, 3)
+    # FLOPs from the active weights: per layer q 64 + k 32 + v 32 + o 64, router 32, 2 of the
+    # 4 experts 192; LM head 80; attention 4 × 2 heads × head_dim 4 × 2 layers × (3 + 5)
+    assert cost.flops == 2 * 2 * (2 * (192 + 32 + 192) + 80) + 4 * 2 * 4 * 2 * (3 + 5) == 4160
+    with pytest.raises(ValueError, match="one count in 1..4 per MoE layer"):
+        weight_bytes_per_step(a, 2, 2, (5, 1))
+
+
+def test_a_batch_picking_the_same_experts_moves_fewer_bytes_than_one_spreading_them():
+    """Four copies of one prompt route every step's tokens alike: k experts per layer; four
+    different prompts spread over more, and their steps must move more bytes."""
+    a = moe_arch()
+    same = make_prompts([6], a.vocab_size, seed=3) * 4
+    spread = make_prompts([6] * 4, a.vocab_size, seed=3)
+    counts = {}
+    for name, prompts in {"same": same, "spread": spread}.items():
+        model, batch = run_of(a, prompts)
+        picks, _ = record_picks(model, batch, prompts, 5)
+        counts[name] = picks.counts()
+    assert all(c == (2, 2) for c in counts["same"]), counts["same"]
+    assert all(2 <= n <= 8 for c in counts["spread"] for n in c)
+    assert sum(map(sum, counts["spread"])) > sum(map(sum, counts["same"]))
+    bytes_of = {k: [weight_bytes_per_step(a, 4, 4, c) for c in v] for k, v in counts.items()}
+    assert all(s <= p for s, p in zip(bytes_of["same"], bytes_of["spread"]))
+    assert sum(bytes_of["same"]) < sum(bytes_of["spread"])
+
+
+def test_the_recorder_sees_each_layers_routing_and_changes_nothing():
+    a = moe_arch()
+    prompts = make_prompts([3, 5, 9], a.vocab_size, seed=1)
+    model, batch = run_of(a, prompts)
+    plain = generate(model, batch, prompts, 5)
+    seen = []  # each MoE layer's input, taken apart from the recorder to route it again
+    hooks = [moe.register_forward_pre_hook(lambda m, args: seen.append((m, args[0])))
+             for _, moe in moe_layers(model)]
+    picks, recorded = record_picks(model, batch, prompts, 5, keep_logits=True)
+    for h in hooks:
+        h.remove()
+    assert torch.equal(plain.logits, recorded.logits) and torch.equal(plain.tokens, recorded.tokens)
+    assert len(picks.steps) == 5 and all(len(s) == 2 for s in picks.steps)
+    steps = seen[-5 * 2:]  # the prefill's calls come first; then each step calls both layers
+    expected = [distinct_experts(m.route(x)[1]) for m, x in steps]
+    assert [n for c in picks.counts() for n in c] == expected
+    assert len({s[0] for s in picks.steps}) > 1  # the routing varies step by step
+    result = check_against_no_cache(model, prompts, recorded, "float32")
+    assert result.ok, result.errors
+
+
+@pytest.mark.parametrize("strategy", ["stock", "guard_free", "bytecode_hook"])
+def test_every_strategys_moe_step_equals_eager_with_one_graph(strategy):
+    """The compiled step through the router and grouped experts, its routing changing step by
+    step, equals the eager step and the no-cache reference, with one graph (stock keeps its
+    guards: a routing that recompiled would show; fullgraph=True: a break would raise)."""
+    from kit.engine.decode_runners import decode_runner
+    a = moe_arch(layers=1)
+    prompts = make_prompts([3, 5, 9], a.vocab_size, seed=1)
+    model, batch = run_of(a, prompts)
+    picks, eager = record_picks(model, batch, prompts, 5, keep_logits=True)
+    runner = decode_runner(model, batch, prompts, strategy)
+    run = generate(model, batch, prompts, 5, step=runner)
+    runner.discard()
+    assert len(set(picks.steps[i][0] for i in range(5))) > 1
+    assert runner.graphs_compiled == 1
+    assert torch.equal(run.tokens, eager.tokens)
+    assert (run.logits.float() - eager.logits.float()).abs().max() < 1e-4
+    assert check_against_no_cache(model, prompts, run, "float32").ok
+
+
+def test_routing_compiles_once_grouped_and_breaks_looped_on_the_host():
+    from kit.studies.experts_by_batch import routing_under_dynamo
+    grouped, looped = routing_under_dynamo(moe_arch(layers=1), "float32", tokens=3, calls=4)
+    assert grouped.routings > 1
+    assert (grouped.fullgraph, grouped.graphs, grouped.graph_breaks, grouped.recompiles) == \
+        ("one graph", 1, 0, 0)
+    assert looped.fullgraph.startswith("refused") and looped.graph_breaks > 0
+    assert looped.graphs > 1
