@@ -158,6 +158,12 @@ def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], st
     return generate(model, batch, prompts, steps), model, batch
 
 
+def for_model(settings: Settings, model: str | None) -> Settings | None:
+    """`settings` for another model (chapter 05's `moe_model`) in float32, the same batch,
+    lengths and seed; None for None. Loads the model's config first: a bad name stops here."""
+    return replace(settings, model=model, dtype="float32") if model else None
+
+
 def compare_tokens(settings: Settings, dtype: str | None = None,
                    time_steps: bool = False) -> TokenComparison:
     """Both sides greedy on the chapter's checkpoint, `batch_size` prompts of `input_len`
