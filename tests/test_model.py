@@ -297,6 +297,36 @@ def test_grouped_experts_equal_each_tokens_experts_run_one_by_one(family, dtype)
         * expected.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_a_decode_steps_few_pairs_take_the_gathered_products(dtype):
+    """Compiled, a decode step whose (token, expert) pairs are no more than the experts runs
+    one generated loop per product (`gathered_products`), a prefill the grouped products: both
+    give the definition's output, and the gathered loop reads no expert that no token picked
+    (NaN weights there leave it finite)."""
+    from kit.engine.layers import experts
+    arch = small("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+    torch.manual_seed(0)
+    moe = experts.SparseMoE(arch).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    moe.requires_grad_(False)
+    compiled = torch.compile(moe, fullgraph=True)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for tokens in (3, 9):  # 6 pairs of 8 experts: gathered; 18: grouped
+        x = torch.randn(tokens, 64, dtype=dtype)
+        got, expected = compiled(x).float(), naive_experts(moe, x).float()
+        assert (got - expected).abs().max() <= tol * expected.abs().max()
+    x = torch.randn(3, 64, dtype=dtype)
+    _, ids = moe.route(x)
+    unpicked = sorted(set(range(8)) - set(ids.flatten().tolist()))
+    moe.experts.gate_up_proj[unpicked] = float("nan")
+    moe.experts.down_proj[unpicked] = float("nan")
+    assert torch.isfinite(compiled(x)).all()
+    gathered = experts.gathered_products(x, moe.experts.gate_up_proj.detach(),
+                                         ids.flatten()[:3].sort().values, block=32)
+    assert gathered.shape == (3, 48)  # 48 output rows: blocks of 16, the largest that divides
+
+
 def test_routing_renormalises_only_where_the_config_says():
     from kit.engine.layers.experts import route
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])

@@ -215,6 +215,12 @@ TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"slidin
           "mistral": {"sliding_window": 16},
           # sinks, a window on every other layer, 4 experts top-2, YaRN (GptOssConfig's)
           "gpt_oss": {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2}}
+# Mixtures of experts (issue 34): 8 experts, 2 per token; Qwen3-MoE with a dense layer among
+# them and its top-2 probabilities as the softmax gives them (Mixtral renormalises them; so does
+# chapter 05's tiny-moe)
+TODAYS |= {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                         "mlp_only_layers": [2], "norm_topk_prob": False},
+           "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -237,16 +243,19 @@ def todays_checkpoint(family: str, folder, writer: str):
 @pytest.mark.parametrize("writer", ["kit", "transformers"])
 @pytest.mark.parametrize("family", TODAYS)
 def test_todays_families_token_for_token(tmp_path, family, writer):
-    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral or gpt-oss checkpoint (the kit's or
-    transformers'), float32, prompts of 5, 30 and 41 tokens past the window of 16: the kit's
-    24 greedy tokens are vLLM's, every one."""
+    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE or Mixtral
+    checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
+    window of 16: the kit's 24 greedy tokens are vLLM's, every one."""
     from kit.engine.decode import batch_for_run, generate, make_prompts
     from kit.engine.kv_cache import KVCacheLayout
     from kit.engine.model import build_model
     from kit.vllm.greedy import greedy_from_checkpoint
     folder = todays_checkpoint(family, tmp_path / family, writer)
     arch = kit.config.ModelConfig.load(str(folder))
-    assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (family != "qwen3")
+    assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (
+        "sliding_window" in TODAYS[family])
+    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6}.get(family, 0)
+    assert sum(arch.is_moe(i) for i in range(6)) == moe_layers
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
     batch = batch_for_run(KVCacheLayout.for_model(arch, 16, "float32"), lengths, steps, "cpu")

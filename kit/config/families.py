@@ -98,7 +98,8 @@ CONFIG_DEFAULTS = {
     "mistral": {"sliding_window": 4096, "max_position_embeddings": 131_072},
     "qwen3": {"head_dim": 128, "sliding_window": 4096, "max_window_layers": 28,
               "max_position_embeddings": 32_768},
-    "qwen3_moe": {"max_position_embeddings": 32_768, "num_experts": 128,
+    # (transformers 5.19 writes Qwen3-MoE's `num_experts` as `num_local_experts`)
+    "qwen3_moe": {"max_position_embeddings": 32_768, "num_local_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "decoder_sparse_step": 1, "norm_topk_prob": False},
     "mixtral": {"max_position_embeddings": 131_072, "num_local_experts": 8,

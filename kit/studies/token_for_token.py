@@ -20,9 +20,11 @@ from kit.engine.checkpoint import write_checkpoint
 from kit.engine.decode import batch_for_run, generate, make_prompts, prompt_lengths
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
+from kit.measure.timing import median_or_none
+from kit.vllm.engine_runs import engine_timings
 from kit.vllm.greedy import greedy_from_checkpoint
 from kit.vllm.model_folder import MODELS_CACHE, cached_model_folder
-from kit.units import Count, Fraction, Number
+from kit.units import Count, Fraction, Number, Seconds
 
 CHECKPOINTS = MODELS_CACHE.parent / "checkpoints"
 BLOCK_SIZE = 128  # vLLM's CPU attention takes multiples of 32; the kit's decode any size
@@ -73,6 +75,9 @@ class TokenComparison:
     folder: str
     steps: list[TokenStep] = field(default_factory=list)
     error: str | None = None    # vLLM could not run the comparison (its message)
+    # with `compare_tokens(..., time_steps=True)`: eager decode steps, in turns (seconds)
+    kit_step_seconds: list[float] = field(default_factory=list)
+    vllm_step_seconds: list[float] = field(default_factory=list)
 
     @property
     def tolerance(self) -> float:
@@ -99,9 +104,22 @@ class TokenComparison:
     def agreement(self) -> float:
         return sum(s.agree for s in self.steps) / len(self.steps) if self.steps else 0.0
 
+    def step_row(self) -> dict:
+        """The eager decode step side by side (`time_steps`): medians and their ratio."""
+        kit, vllm = median_or_none(self.kit_step_seconds), median_or_none(self.vllm_step_seconds)
+        return {"decode step, eager": self.dtype,
+                "kit (ms)": "n/a" if kit is None else f"{kit * 1e3:.2f}",
+                "vLLM (ms)": "n/a" if vllm is None else f"{vllm * 1e3:.2f}",
+                "kit ÷ vLLM": "n/a" if not (kit and vllm) else f"{kit / vllm:.2f}",
+                "steps timed (kit, vLLM)": f"{len(self.kit_step_seconds)}, "
+                                           f"{len(self.vllm_step_seconds)}"}
+
     def summary(self) -> dict:
         seqs = sorted({s.seq for s in self.steps})
+        steps = {"kit_step_median": median_or_none(self.kit_step_seconds),
+                 "vllm_step_median": median_or_none(self.vllm_step_seconds)}
         return {"dtype": self.dtype, "checkpoint": self.folder, "ok": self.ok,
+                **Seconds.of(steps), "timed_steps": Count.of(len(self.kit_step_seconds)),
                 "error": self.error,
                 "agreement": Fraction(self.agreement), "tolerance": Number(self.tolerance),
                 "first_low_margin_step": {str(q): Count.of(self.first_low_margin(q))
@@ -130,31 +148,52 @@ def texts(comparison: TokenComparison) -> list[dict] | None:
 
 
 def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], steps: int):
-    """The kit's eager paged decode on the checkpoint's weights: tokens and logits per step."""
+    """The kit's eager paged decode on the checkpoint's weights: its run (tokens and logits
+    per step), the model and the batch, for more turns."""
     arch = replace(settings.arch, checkpoint=str(folder))
     model = build_model(arch, settings.dtype, "cpu", settings.seed)
     lengths = [len(p) for p in prompts]
-    layout = KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype)
-    return generate(model, batch_for_run(layout, lengths, steps, "cpu"), prompts, steps)
+    batch = batch_for_run(KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype), lengths,
+                          steps, "cpu")
+    return generate(model, batch, prompts, steps), model, batch
 
 
-def compare_tokens(settings: Settings, dtype: str | None = None) -> TokenComparison:
+def for_model(settings: Settings, model: str | None) -> Settings | None:
+    """`settings` for another model (chapter 05's `moe_model`) in float32, the same batch,
+    lengths and seed; None for None. Loads the model's config first: a bad name stops here."""
+    return replace(settings, model=model, dtype="float32") if model else None
+
+
+def compare_tokens(settings: Settings, dtype: str | None = None,
+                   time_steps: bool = False) -> TokenComparison:
     """Both sides greedy on the chapter's checkpoint, `batch_size` prompts of `input_len`
     tokens, `output_len` tokens each, in `dtype` (default: the settings'); on the CPU (vLLM's
-    CPU engine, in this process)."""
+    CPU engine, in this process). With `time_steps`, the same engine then times its eager
+    decode steps (`engine_timings`) and the kit its eager ones, a generation after each of
+    vLLM's: the step side by side without a second engine start."""
     settings = replace(settings, dtype=dtype or settings.dtype)
     folder = chapter_checkpoint(settings)
     lengths = prompt_lengths(settings.batch_size, settings.input_len)
     prompts = make_prompts(lengths, settings.arch.vocab_size, settings.seed)
     steps = settings.output_len - 1
-    run = kit_greedy(settings, folder, prompts, steps)
+    run, model, batch = kit_greedy(settings, folder, prompts, steps)
+    kit_steps = []
+
+    def kit_turn():
+        again = generate(model, batch, prompts, steps, keep_logits=False)
+        kit_steps.extend(again.step_seconds)
+
+    def timed(llm):
+        return engine_timings(llm, len(prompts), settings.input_len, settings.output_len,
+                              settings.arch.vocab_size, 2, settings.seed, kit_turn)
     try:
         vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
-                                      settings.dtype, BLOCK_SIZE)
+                                      settings.dtype, BLOCK_SIZE, timed if time_steps else None)
     except Exception as e:  # vLLM's refusal (a dtype its backend lacks): recorded, not raised
         return TokenComparison(settings.dtype, str(folder), error=f"{type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}")
-    return TokenComparison(settings.dtype, str(folder), token_steps(run, vllm))
+    return TokenComparison(settings.dtype, str(folder), token_steps(run, vllm), None,
+                           kit_steps, vllm.then.decode_steps if vllm.then else [])
 
 
 def token_steps(run, vllm) -> list[TokenStep]:

@@ -17,16 +17,20 @@ class GreedyRun:
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
+    then: object = None  # what `then(llm)` returned, when given
 
 
 def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: int,
-                           dtype: str = "float32", block_size: int = 128) -> GreedyRun:
+                           dtype: str = "float32", block_size: int = 128,
+                           then=None) -> GreedyRun:
     """Start `vllm.LLM` eagerly on a checkpoint folder (its real weights: no dummy load, no
     tokenizer), generate `new_tokens` greedy tokens per prompt with each one's log-probability
     (`SamplingParams(logprobs=1)`), and shut it down. Raises vLLM's errors. `ignore_eos`
     alone runs every request to `new_tokens`: `min_tokens` would also censor the end-of-sequence
     token until then (vLLM's `MinTokensLogitsProcessor`), so where it is the argmax, vLLM's
-    greedy token would be the runner-up and no longer the kit's (or transformers')."""
+    greedy token would be the runner-up and no longer the kit's (or transformers').
+    `then(llm)`, when given, runs on the same engine before it shuts down (chapter 05 times an
+    MoE model's decode steps on it: one engine start for both)."""
     in_process()
     from vllm import LLM, SamplingParams
     longest = max(len(p) for p in prompts) + new_tokens
@@ -44,9 +48,10 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
+            after = then(llm) if then is not None else None
         finally:
             shutdown(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [[step[t].logprob for t, step in zip(toks, o.outputs[0].logprobs)]
                 for toks, o in zip(tokens, outs)]
-    return GreedyRun(tokens, logprobs)
+    return GreedyRun(tokens, logprobs, after)

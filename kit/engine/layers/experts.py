@@ -17,6 +17,12 @@ the expert they picked and each expert multiplies its rows in one grouped produc
 bytes of the distinct experts its batch picked (`distinct_experts`). Every shape depends only
 on the number of tokens, so compiled code needs no graph per routing. Where a device or dtype
 has no grouped product, a product per picked expert does the same arithmetic (`grouped_mm`).
+
+A decode step in compiled code, where a step's (token, expert) pairs are no more than the
+experts (each expert about one row), runs the products as one generated loop instead
+(`gathered_products`): the CPU's grouped product is a matrix product per expert, each its own
+parallel region, which on a 2-core machine cost 5-8x more than the bytes it reads (README,
+"Experts against vLLM's fused MoE").
 """
 from __future__ import annotations
 
@@ -95,6 +101,20 @@ def picks_per_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
 
 
+def gathered_products(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                      block: int = 32) -> torch.Tensor:
+    """rows [P, K] sorted by expert, `experts` [P] each row's expert, weights [E, N, K] ->
+    [P, N] row p times weights[experts[p]]ᵀ, accumulated in float32, in x's dtype. Written as
+    indexing and a sum for Inductor to fuse into one loop (eager it would copy every pair's
+    weights): by blocks of `block` output rows, then pair, so the pairs of one expert, next to
+    each other, read each block from memory once and again from cache."""
+    e, n, k = weights.shape
+    block = next(b for b in (block, 16, 8, 4, 2, 1) if n % b == 0)
+    picked = weights.view(e, n // block, block, k)[experts]        # [P, blocks, block, K]
+    out = (rows[:, None, None, :].float() * picked.float()).permute(1, 0, 2, 3).sum(-1)
+    return out.permute(1, 0, 2).reshape(rows.shape[0], n).to(rows.dtype)
+
+
 class Experts(nn.Module):
     """E gated MLPs, their weights stacked: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]."""
 
@@ -131,11 +151,17 @@ class Experts(nn.Module):
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
         token_of = order // k
-        ends = picks_per_expert(flat, self.num_experts).cumsum(0).to(torch.int32)
-        gate_up = grouped_mm(x[token_of], self.gate_up_proj.transpose(1, 2), ends)
-        hidden = self.act(self.biased(gate_up, self.gate_up_proj_bias, flat[order]))
-        out = self.biased(grouped_mm(hidden, self.down_proj.transpose(1, 2), ends),
-                          self.down_proj_bias, flat[order])
+        picked = flat[order]
+        if torch.compiler.is_compiling() and flat.shape[0] <= self.num_experts:
+            products = gathered_products  # a decode step's few pairs: one generated loop each
+        else:
+            ends = picks_per_expert(flat, self.num_experts).cumsum(0).to(torch.int32)
+
+            def products(rows, stacked, _):  # one grouped product over every expert's rows
+                return grouped_mm(rows, stacked.transpose(1, 2), ends)
+        gate_up = products(x[token_of], self.gate_up_proj, picked)
+        hidden = self.act(self.biased(gate_up, self.gate_up_proj_bias, picked))
+        out = self.biased(products(hidden, self.down_proj, picked), self.down_proj_bias, picked)
         summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
         summed.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
         return summed.to(x.dtype)
