@@ -159,8 +159,9 @@ class Experts(nn.Module):
 
             def products(rows, stacked, _):  # one grouped product over every expert's rows
                 return grouped_mm(rows, stacked.transpose(1, 2), ends)
-        gate_up = products(x[token_of], self.gate_up_proj, picked)
-        hidden = self.act(self.biased(gate_up, self.gate_up_proj_bias, picked))
+        # (no name kept for the gate-and-up rows: eager code then frees them once activated)
+        hidden = self.act(self.biased(products(x[token_of], self.gate_up_proj, picked),
+                                      self.gate_up_proj_bias, picked))
         out = self.biased(products(hidden, self.down_proj, picked), self.down_proj_bias, picked)
         summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
         summed.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
