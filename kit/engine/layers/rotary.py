@@ -46,7 +46,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     3's or YaRN's, as `ModelConfig.rope_scaling` holds it)."""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    scaling, factor = dict(scaling), 1.0
+    # `dict` only where there is a scaling: traced, it costs Dynamo guards on every model
+    scaling, factor = dict(scaling) if scaling else {}, 1.0
     if scaling.get("rope_type") == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, scaling)
     elif scaling.get("rope_type") == "yarn":
