@@ -24,6 +24,22 @@ def test_the_published_moe_shapes_count_every_expert_and_the_active_ones(name):
         arch.num_hidden_layers * (e - k) * arch.expert_weights()
 
 
+def test_gpt_oss_experts_count_their_biases_where_unpicked_and_resident():
+    """gpt-oss's experts carry biases (2·I + H each): an unpicked expert leaves them unread too,
+    and the experts' share counts them, as the experts built on the meta device hold them."""
+    from kit.measure.roofline import unread_expert_weights
+    from kit.studies.memory_profiling import built_experts_parameters
+    arch = ModelConfig.load("gpt-oss-20b")
+    e, k, i, h = (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+                  arch.hidden_size)
+    assert arch.expert_elements() == 3 * h * i + 2 * i + h
+    assert arch.num_parameters() - arch.active_parameters() == \
+        arch.num_hidden_layers * (e - k) * arch.expert_elements()
+    assert unread_expert_weights(arch, [k] * arch.num_hidden_layers) == \
+        arch.num_parameters() - arch.active_parameters()
+    assert built_experts_parameters(arch) == arch.experts_parameters()
+
+
 def test_the_experts_built_on_the_meta_device_are_the_counted_ones():
     from kit.studies.memory_profiling import built_experts_parameters
     for name in ("qwen3-30b-a3b", "tiny-moe"):

@@ -159,6 +159,12 @@ class ModelConfig:
         """Elements of one expert's three matrices (gate, up, down)."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
+    def expert_elements(self) -> int:
+        """Elements of one expert: its matrices, and gpt-oss's biases (gate and up 2·I, down
+        H): what an expert no token picked leaves unread."""
+        return self.expert_weights() + self.parts.expert_bias * (
+            2 * self.moe_intermediate_size + self.hidden_size)
+
     def mlp_weights(self, layer: int, active: bool = False) -> int:
         """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router and
         every expert (`active`: only the num_experts_per_tok experts one token runs)."""
@@ -178,14 +184,16 @@ class ModelConfig:
             + self.vocab_size * self.hidden_size
 
     def experts_parameters(self) -> int:
-        """Elements of every expert of every MoE layer (the routers not included)."""
-        return sum(self.num_experts * self.expert_weights()
+        """Elements of every expert of every MoE layer, biases included (the routers not)."""
+        return sum(self.num_experts * self.expert_elements()
                    for i in range(self.num_hidden_layers) if self.is_moe(i))
 
     def active_parameters(self) -> int:
         """Parameters one token runs through: `num_parameters` with each MoE layer's experts
         cut to the k it picks (the routers, attention and embeddings all counted)."""
-        return self.num_parameters() - self.linear_weights() + self.linear_weights(active=True)
+        unpicked = (self.num_experts - self.num_experts_per_tok) * self.expert_elements()
+        return self.num_parameters() - unpicked * sum(map(self.is_moe,
+                                                          range(self.num_hidden_layers)))
 
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (the model's real count must equal it): the

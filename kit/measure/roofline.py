@@ -83,7 +83,7 @@ def unread_expert_weights(arch: ModelConfig, experts_read=None) -> int:
     if len(experts_read) != len(moe) or not all(0 < n <= arch.num_experts for n in experts_read):
         raise ValueError(f"experts_read needs one count in 1..{arch.num_experts} per MoE layer "
                          f"({len(moe)}), got {list(experts_read)}")
-    return sum(arch.num_experts - n for n in experts_read) * arch.expert_weights()
+    return sum(arch.num_experts - n for n in experts_read) * arch.expert_elements()
 
 
 def decode_step_cost(arch: ModelConfig, dtype_bytes: int, layer_specs,
