@@ -119,3 +119,38 @@ def test_routing_compiles_once_grouped_and_breaks_looped_on_the_host():
         ("one graph", 1, 0, 0)
     assert looped.fullgraph.startswith("refused") and looped.graph_breaks > 0
     assert looped.graphs > 1
+
+
+def test_the_reference_replays_a_16_bit_runs_routing_and_counts_its_flips():
+    """In bf16 the paged run and the no-cache reference round differently, and where a router's
+    k-th and (k+1)-th experts nearly tie they pick differently. The replayed reference routes
+    as the run did: closer than the plain reference, every flip a near-tie within tolerance."""
+    from kit.engine.routing_replay import check_routed_against_no_cache
+    a = moe_arch(layers=2, experts=16, k=4)
+    prompts = make_prompts([12, 20, 20, 7], a.vocab_size, seed=1)
+    model, batch = run_of(a, prompts, steps=12, dtype="bfloat16", block_size=16)
+    run = generate(model, batch, prompts, 12)
+    plain = check_against_no_cache(model, prompts, run, "bfloat16")
+    replayed = check_routed_against_no_cache(model, batch, prompts, run, "bfloat16")
+    flips = replayed.routing
+    assert flips.positions == 2 * (12 + 20 + 20 + 7 + 4 * 12)  # every position, both layers
+    assert replayed.ok and replayed.max_error < plain.max_error
+    assert flips.gaps and max(flips.gaps) <= flips.tolerance
+    assert replayed.summary()["routing"]["flips"] == len(flips.gaps)
+
+
+def test_a_routing_the_run_did_not_take_fails_the_replayed_check(monkeypatch):
+    """The check can fail: replaying picks shifted to other experts makes the reference's own
+    router disagree across wide gaps, which no rounding explains."""
+    from kit.engine import routing_replay
+    a = moe_arch(layers=2, experts=8, k=2)
+    prompts = make_prompts([9, 9], a.vocab_size, seed=2)
+    model, batch = run_of(a, prompts, steps=4)
+    run = generate(model, batch, prompts, 4)
+    record = routing_replay.record_routing
+    good = routing_replay.check_routed_against_no_cache(model, batch, prompts, run, "float32")
+    assert good.ok and good.routing.gaps == [] and good.max_error < 1e-5
+    monkeypatch.setattr(routing_replay, "record_routing", lambda *args: [
+        [(ids + 1) % a.num_experts for ids in seq] for seq in record(*args)])
+    bad = routing_replay.check_routed_against_no_cache(model, batch, prompts, run, "float32")
+    assert not bad.ok and not bad.routing.ok and max(bad.routing.gaps) > 1e-4

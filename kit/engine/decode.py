@@ -347,12 +347,16 @@ def no_cache_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> 
 @dataclass
 class Correctness:
     """How far a paged run's logits are from the no-cache reference, step by step: the largest
-    |paged - reference| over the batch, relative to the reference logits' largest magnitude."""
+    |paged - reference| over the batch, relative to the reference logits' largest magnitude.
+    An MoE's reference replays the run's routing (`kit.engine.routing_replay`): `routing`
+    then says where the reference's own router would have picked otherwise, and how close
+    those picks were."""
 
     dtype: str
     tolerance: float
     errors: list[float]            # step 0 is the prefill, then each decode step
     token_agreement: float         # fraction of steps where both pick the same greedy token
+    routing: "object | None" = None  # a `kit.engine.routing_replay.Flips` where replayed
 
     @property
     def max_error(self) -> float:
@@ -360,29 +364,34 @@ class Correctness:
 
     @property
     def ok(self) -> bool:
-        return self.max_error <= self.tolerance
+        return self.max_error <= self.tolerance and (self.routing is None or self.routing.ok)
 
     def summary(self) -> dict:
+        routing = {} if self.routing is None else {"routing": self.routing.summary()}
         return {"dtype": self.dtype, **Number.of({"tolerance": self.tolerance,
                                                   "max_error": self.max_error}),
                 "ok": self.ok, "token_agreement": Fraction(self.token_agreement),
-                "errors": Number.of(self.errors)}
+                "errors": Number.of(self.errors), **routing}
 
 
-def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str) -> Correctness:
+def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str,
+                           reference=None, routing=None) -> Correctness:
     """Compare every step's logits of `run` with the no-cache reference, one sequence at a time
-    (so only one sequence's reference logits are held at once)."""
+    (so only one sequence's reference logits are held at once). `reference(i, prompt, fed)`:
+    sequence i's reference logits (default `no_cache_logits`); `routing`: what it replayed."""
     steps = len(run.step_seconds)
     diff = scale = torch.zeros(steps + 1)
     same = 0
     for i, prompt in enumerate(prompts):
-        ref = no_cache_logits(model, prompt, run.tokens[i, :steps])
+        fed = run.tokens[i, :steps]
+        ref = no_cache_logits(model, prompt, fed) if reference is None else \
+            reference(i, prompt, fed)
         got = run.logits[:, i].float()
         diff = torch.maximum(diff, (got - ref).abs().amax(-1))
         scale = torch.maximum(scale, ref.abs().amax(-1))
         same += int((got.argmax(-1) == ref.argmax(-1)).sum())
     return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(),
-                       same / ((steps + 1) * len(prompts)))
+                       same / ((steps + 1) * len(prompts)), routing)
 
 
 def decode_inputs(settings: Settings, layout: KVCacheLayout, kv_cache: torch.Tensor,

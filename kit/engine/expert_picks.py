@@ -3,7 +3,7 @@
 A decode step reads the router and only the distinct experts its batch picked, so the bytes it
 must move depend on the routing, step by step. `ExpertPicks` records them: a forward hook on
 every MoE layer's router (`SparseMoE.gate`) routes the router's logits as the layer does
-(`kit.engine.layers.experts.route`, the same function, so the same ids) and keeps, per step and
+(`SparseMoE.picks`, the same function, so the same ids) and keeps, per step and
 per MoE layer, the sorted distinct expert ids. It records only inside the steps it wraps
 (`ExpertPicks.wrap`), not the prefill. The hooks read ids back to the host, so they run on an
 eager pass (`record_picks`); routing is the same whichever strategy runs the step, and the
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from kit.engine.decode import generate, step_function
-from kit.engine.layers.experts import SparseMoE, route
+from kit.engine.layers.experts import SparseMoE
 
 
 class ExpertPicks:
@@ -42,7 +42,7 @@ class ExpertPicks:
 
     def on_router(self, layer: int, moe: SparseMoE, logits: torch.Tensor) -> None:
         if self.recording:
-            _, ids = route(logits, moe.top_k, moe.renormalize)
+            _, ids = moe.picks(logits)
             self.steps[-1][layer] = tuple(ids.unique().tolist())
 
     def wrap(self, step):

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, reference
-from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache, decode_inputs,
-                               generate)
+from kit.engine.decode import Correctness, PagedBatch, decode_inputs, generate
 from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.engine.expert_picks import moe_layers, record_picks
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import summed_attention
+from kit.engine.routing_replay import check_routed_against_no_cache
 from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.measure.device import cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
@@ -184,7 +184,8 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             timings[name].runs.append(run.step_seconds)
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
-                timings[name].correctness = check_against_no_cache(model, prompts, run, dtype)
+                timings[name].correctness = check_routed_against_no_cache(model, batch, prompts,
+                                                                            run, dtype)
         if after_round is not None:
             after_round()
     if breakdown_steps:
@@ -224,7 +225,7 @@ def time_eager_summed(model: Decoder, batch: PagedBatch, prompts: list[torch.Ten
     timing.runs.append(run.step_seconds)
     timing.prefills.append(run.prefill_seconds)
     if first:
-        timing.correctness = check_against_no_cache(model, prompts, run, dtype)
+        timing.correctness = check_routed_against_no_cache(model, batch, prompts, run, dtype)
 
 
 # --- the whole measurement --------------------------------------------------------------------
@@ -393,7 +394,8 @@ def check_mixed_lengths(settings: Settings, layout: KVCacheLayout, model: Decode
     are no longer than input_len, so they fit in the cache the timed runs use)."""
     batch, prompts = decode_inputs(settings, layout, kv_cache, mixed=True, seed_offset=1)
     run = generate(model, batch, prompts, settings.output_len - 1)
-    return batch.lengths, check_against_no_cache(model, prompts, run, settings.dtype)
+    return batch.lengths, check_routed_against_no_cache(model, batch, prompts, run,
+                                                        settings.dtype)
 
 
 def vllm_cpu_reference(settings: Settings) -> dict | None:

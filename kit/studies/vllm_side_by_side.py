@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kit.config import ModelConfig, load
-from kit.engine.decode import (check_against_no_cache, decode_inputs, generate, peak_blocks,
-                               prompt_lengths)
+from kit.engine.decode import decode_inputs, generate, peak_blocks, prompt_lengths
 from kit.engine.kv_cache import KVCacheConfig, KVCacheLayout, allocate, config_for_settings
 from kit.engine.model import build_model
+from kit.engine.routing_replay import check_routed_against_no_cache
 from kit.errors import ConfigError
 from kit.engine.decode_runners import SharedPrefill, warm_up
 from kit.measure.timing import median_or_none
@@ -177,6 +177,15 @@ class KitDecode:
                 "compile_seconds": Seconds.of(self.compile_seconds)}
 
 
+def off_reference(check) -> str:
+    """Why a run failed its check against the no-cache reference, in one line."""
+    routing = check.routing
+    if routing is not None and not routing.ok:
+        return (f"routed differently from the reference at a gap of "
+                f"{max(routing.gaps):.1e} (beyond {routing.tolerance:.0e})")
+    return f"logits off the no-cache reference by {check.max_error:.1e}"
+
+
 def kit_strategy(mode: str, device: str) -> str:
     """The kit's strategy beside vLLM's mode: eager is eager; compiled is vLLM's way of
     compiling, one guard-free torch.compile, captured in CUDA graphs on a GPU."""
@@ -228,11 +237,10 @@ class KitTurns:
             decode.prefills.append(run.prefill_seconds)
             decode.generations.append(run.prefill_seconds + sum(run.step_seconds))
             if first:
-                check = check_against_no_cache(self.model, self.prompts, run,
-                                                self.settings.dtype)
+                check = check_routed_against_no_cache(self.model, self.batch, self.prompts,
+                                                      run, self.settings.dtype)
                 if not check.ok:
-                    decode.error = (f"logits off the no-cache reference by "
-                                    f"{check.max_error:.1e}")
+                    decode.error = off_reference(check)
         except Exception as e:  # noqa: BLE001
             decode.error = f"{type(e).__name__}: {e}"
 

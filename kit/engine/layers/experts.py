@@ -34,19 +34,23 @@ from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 
 
-def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """("softmax_topk") -> each token's k experts' weights (float32) and ids [tokens, k]."""
+def route(logits: torch.Tensor, k: int, renormalize: bool,
+          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """("softmax_topk") -> each token's k experts' weights (float32) and ids [tokens, k];
+    given `ids`, the weights of those experts instead (a routing replayed)."""
     probs = logits.float().softmax(-1)
-    weights, ids = probs.topk(k, dim=-1)
+    weights, ids = probs.topk(k, dim=-1) if ids is None else (probs.gather(-1, ids), ids)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
 
 
-def route_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True):
+def route_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True,
+                       ids: torch.Tensor | None = None):
     """("topk_softmax", gpt-oss) -> the softmax (float32) of each token's k largest logits, and
-    their ids [tokens, k]; their weights sum to 1 by construction."""
-    top, ids = logits.topk(k, dim=-1)
+    their ids [tokens, k]; their weights sum to 1 by construction. Given `ids`, those
+    experts' logits instead."""
+    top, ids = logits.topk(k, dim=-1) if ids is None else (logits.gather(-1, ids), ids)
     return top.float().softmax(-1), ids
 
 
@@ -181,7 +185,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k experts: (weights float32, ids), [tokens, k] each."""
-        return self.router(self.gate(x), self.top_k, self.renormalize)
+        return self.picks(self.gate(x))
+
+    def picks(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
+        """The router's logits [tokens, E] -> (weights float32, ids) [tokens, k]: its top k,
+        or, given `ids`, those experts' weights (`kit.engine.routing_replay`)."""
+        return self.router(logits, self.top_k, self.renormalize, ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, *self.route(x))

@@ -1,0 +1,130 @@
+"""The correctness check of an MoE's paged run, with its routing replayed (chapters 04, 05).
+
+A paged step and the no-cache reference compute the same hidden states in different orders, so
+they differ by rounding: in float32 by about 1e-6, in bf16 by about 1e-2. A dense model's logits
+stay within the tolerance. A router does not: where two experts' scores are closer than that
+rounding, the run and the reference pick different experts for the token, and its output
+differs by a whole expert's. Random weights in 16 bits put a few such near-ties in every run.
+
+So the reference of a model with experts routes every token as the paged run routed it:
+`record_routing` reruns the paged run eagerly, fed the run's own tokens, and keeps every MoE
+layer's picks at every position (its prompt's in the prefill, then one per step); the reference's
+routers then weigh those experts (`SparseMoE.picks(logits, ids)`) instead of their own top k.
+What is left is rounding, checked against the dtype's tolerance as for a dense model. Each pick
+the reference's router would have made otherwise is a flip, kept with its margin: the gap
+between the reference's k-th and (k+1)-th router logits there (every router ranks experts by logit). A
+flip is a near-tie only if that gap is within the tolerance of the position's largest logit; a flip across a wider gap means the run
+routed wrongly, and the check fails (`Flips.ok`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from kit.config import TOLERANCE
+from kit.engine.decode import (Correctness, PagedBatch, batch_for_run, check_against_no_cache,
+                               generate, no_cache_logits, prefill_order, step_function)
+from kit.engine.expert_picks import moe_layers
+from kit.units import Count, Number
+
+
+@dataclass
+class Flips:
+    """Where the reference's routers would have picked other experts than the run's."""
+
+    tolerance: float
+    positions: int = 0           # (position, MoE layer) pairs routed, over every sequence
+    gaps: list[float] = field(default_factory=list)  # each flip's gap, relative
+
+    @property
+    def ok(self) -> bool:
+        return all(g <= self.tolerance for g in self.gaps)
+
+    def summary(self) -> dict:
+        return {**Count.of({"routed": self.positions, "flips": len(self.gaps)}),
+                "largest_flip_gap": Number(max(self.gaps, default=0.0)), "ok": self.ok}
+
+
+def record_routing(model, batch: PagedBatch, prompts, run) -> list[list[torch.Tensor]]:
+    """Every MoE layer's picks at every position of each sequence of `run`, from an eager paged
+    rerun on a fresh cache fed the run's tokens: [sequence][MoE layer] -> ids [positions, k]."""
+    layers = [moe for _, moe in moe_layers(model)]
+    calls: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, every forward's ids
+    hooks = [moe.gate.register_forward_hook(
+        lambda mod, args, logits, j=j, moe=moe: calls[j].append(moe.picks(logits)[1].cpu()))
+        for j, moe in enumerate(layers)]
+    steps = len(run.step_seconds)
+    fresh = batch_for_run(batch.layout, batch.lengths, steps, batch.kv_cache.device.type)
+    try:
+        generate(model, fresh, prompts, steps, keep_logits=False,
+                 step=fed_step(step_function(model, fresh.max_context_len), run.tokens))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [[torch.cat([prefill_rows(ids, batch.lengths, i), *(s[i:i + 1] for s in
+                        ids[len(set(batch.lengths)):])]) for ids in calls]
+            for i in range(len(prompts))]
+
+
+def fed_step(step, tokens: torch.Tensor):
+    """`step` fed step t's token from `tokens` [seqs, steps + 1] (the run being checked)
+    rather than the rerun's own greedy pick, so the rerun sees the run's sequences."""
+    count = iter(range(tokens.shape[1]))
+
+    def fed(input_ids, *rest):
+        input_ids.copy_(tokens[:, next(count)].to(input_ids.device))
+        return step(input_ids, *rest)
+    return fed
+
+
+def prefill_rows(calls: list[torch.Tensor], lengths: list[int], seq: int) -> torch.Tensor:
+    """Sequence `seq`'s rows of the prefill's forwards (`PagedBatch.prefill`: one per prompt
+    length, its sequences in `prefill_order`, their tokens flattened)."""
+    length = lengths[seq]
+    call = sorted(set(lengths)).index(length)
+    row = [i for i in prefill_order(lengths) if lengths[i] == length].index(seq)
+    return calls[call][row * length:(row + 1) * length]
+
+
+@contextmanager
+def replaying(model, routing: list[torch.Tensor], flips: Flips):
+    """Inside, each MoE layer of `model` routes a whole sequence's forward by `routing` (one ids
+    tensor per MoE layer), recording in `flips` where its own router would not have."""
+    layers = [moe for _, moe in moe_layers(model)]
+    for moe, ids in zip(layers, routing):
+        moe.route = lambda x, moe=moe, ids=ids: replayed(moe, x, ids, flips)
+    try:
+        yield
+    finally:
+        for moe in layers:
+            del moe.route  # back to the class's own router
+
+
+def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips):
+    """`moe`'s routing of `x` at the recorded `ids`, its own top k compared with them."""
+    logits = moe.gate(x)
+    ids = ids.to(logits.device)
+    _, own = moe.picks(logits)
+    ranked = logits.float().topk(moe.top_k + 1, dim=-1).values  # every router ranks by logit
+    differ = (own.sort(-1).values != ids.sort(-1).values).any(-1)
+    gaps = (ranked[:, -2] - ranked[:, -1]) / ranked[:, 0].abs().clamp_min(1e-30)
+    flips.positions += x.shape[0]
+    flips.gaps += gaps[differ].cpu().tolist()
+    return moe.picks(logits, ids)
+
+
+def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run,
+                                  dtype: str) -> Correctness:
+    """`check_against_no_cache`, its reference routed as `run` was where the model has experts
+    (`record_routing`), its flips in the result; a dense model's as it is."""
+    if not moe_layers(model):
+        return check_against_no_cache(model, prompts, run, dtype)
+    routing = record_routing(model, batch, prompts, run)
+    flips = Flips(TOLERANCE[dtype])
+
+    def reference(i, prompt, fed):
+        with replaying(model, routing[i], flips):
+            return no_cache_logits(model, prompt, fed)
+    return check_against_no_cache(model, prompts, run, dtype, reference, flips)
