@@ -154,3 +154,32 @@ def test_a_routing_the_run_did_not_take_fails_the_replayed_check(monkeypatch):
         [(ids + 1) % a.num_experts for ids in seq] for seq in record(*args)])
     bad = routing_replay.check_routed_against_no_cache(model, batch, prompts, run, "float32")
     assert not bad.ok and not bad.routing.ok and max(bad.routing.gaps) > 1e-4
+
+
+def test_the_other_side_of_a_near_tie():
+    """A step a compiled run routed across a near-tie is tried with the other side: the top k
+    with its k-th swapped for the (k+1)-th (or back to the top k), later layers routing as they
+    then see (-1)."""
+    from kit.engine.routing_replay import across, other_side
+    top = torch.tensor([5, 2, 7])  # the reference's top k + 1, k = 2
+    assert other_side(torch.tensor([2, 5]), top).tolist() == [5, 7]
+    assert other_side(torch.tensor([5, 7]), top).tolist() == [5, 2]
+    routing = [torch.zeros(3, 2, dtype=torch.long) for _ in range(3)]
+    alt = across(routing, 1, 2, torch.tensor([5, 7]))
+    assert alt[0].tolist() == routing[0].tolist() and alt[1][2].tolist() == [5, 7]
+    assert alt[2][2].tolist() == [-1, -1] and alt[2][:2].eq(0).all()
+    assert routing[1][2].tolist() == [0, 0]  # the recorded routing untouched
+
+
+def test_the_summed_attention_run_passes_the_replayed_check_in_bf16():
+    """The step compiled code runs (attention summed) rounds otherwise than the eager rerun the
+    routing comes from; its 16-bit run must still pass, across whatever ties it took."""
+    from kit.engine.layers.attention import summed_attention
+    from kit.engine.routing_replay import check_routed_against_no_cache
+    a = moe_arch(layers=2, experts=16, k=4)
+    prompts = make_prompts([12, 20, 20, 7], a.vocab_size, seed=1)
+    model, batch = run_of(a, prompts, steps=12, dtype="bfloat16", block_size=16)
+    with summed_attention():
+        run = generate(model, batch, prompts, 12)
+    check = check_routed_against_no_cache(model, batch, prompts, run, "bfloat16")
+    assert check.ok, (check.max_error, check.routing.summary())

@@ -8,13 +8,16 @@ differs by a whole expert's. Random weights in 16 bits put a few such near-ties 
 
 So the reference of a model with experts routes every token as the paged run routed it:
 `record_routing` reruns the paged run eagerly, fed the run's own tokens, and keeps every MoE
-layer's picks at every position (its prompt's in the prefill, then one per step); the reference's
-routers then weigh those experts (`SparseMoE.picks(logits, ids)`) instead of their own top k.
-What is left is rounding, checked against the dtype's tolerance as for a dense model. Each pick
-the reference's router would have made otherwise is a flip, kept with its margin: the gap
-between the reference's k-th and (k+1)-th router logits there (every router ranks experts by logit). A
-flip is a near-tie only if that gap is within the tolerance of the position's largest logit; a flip across a wider gap means the run
-routed wrongly, and the check fails (`Flips.ok`).
+layer's picks at every position (its prompt's in the prefill, then one per step); the
+reference's routers then weigh those experts (`SparseMoE.picks(logits, ids)`) instead of their
+own top k. What is left is rounding, checked against the dtype's tolerance as for a dense model.
+
+Each pick the reference's router would have made otherwise is a flip, kept with its gap: the
+reference's k-th minus (k+1)-th router logit there, relative to the largest (every router ranks
+experts by logit). A flip is a near-tie only if that gap is within the tolerance; a flip across
+a wider gap means the run routed wrongly, and the check fails (`Flips.ok`). A compiled step
+rounds otherwise than the eager rerun and may flip a near-tie the rerun did not: such a step is
+checked against the other side of the tie (`explained_reference`), and counted.
 """
 from __future__ import annotations
 
@@ -37,13 +40,15 @@ class Flips:
     tolerance: float
     positions: int = 0           # (position, MoE layer) pairs routed, over every sequence
     gaps: list[float] = field(default_factory=list)  # each flip's gap, relative
+    explained: list = field(default_factory=list)  # (step, MoE layer, gap) taken across a tie
 
     @property
     def ok(self) -> bool:
         return all(g <= self.tolerance for g in self.gaps)
 
     def summary(self) -> dict:
-        return {**Count.of({"routed": self.positions, "flips": len(self.gaps)}),
+        return {**Count.of({"routed": self.positions, "flips": len(self.gaps),
+                            "steps_across_a_tie": len(self.explained)}),
                 "largest_flip_gap": Number(max(self.gaps, default=0.0)), "ok": self.ok}
 
 
@@ -89,12 +94,13 @@ def prefill_rows(calls: list[torch.Tensor], lengths: list[int], seq: int) -> tor
 
 
 @contextmanager
-def replaying(model, routing: list[torch.Tensor], flips: Flips):
+def replaying(model, routing: list[torch.Tensor], flips: Flips, ranked: list | None = None):
     """Inside, each MoE layer of `model` routes a whole sequence's forward by `routing` (one ids
-    tensor per MoE layer), recording in `flips` where its own router would not have."""
+    tensor per MoE layer), recording in `flips` where its own router would not have, and in
+    `ranked` (when given) each layer's top k + 1 experts and gap at every position."""
     layers = [moe for _, moe in moe_layers(model)]
-    for moe, ids in zip(layers, routing):
-        moe.route = lambda x, moe=moe, ids=ids: replayed(moe, x, ids, flips)
+    for j, (moe, ids) in enumerate(zip(layers, routing)):
+        moe.route = lambda x, moe=moe, ids=ids, j=j: replayed(moe, x, ids, flips, ranked)
     try:
         yield
     finally:
@@ -102,29 +108,84 @@ def replaying(model, routing: list[torch.Tensor], flips: Flips):
             del moe.route  # back to the class's own router
 
 
-def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips):
-    """`moe`'s routing of `x` at the recorded `ids`, its own top k compared with them."""
+def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips, ranked: list | None):
+    """`moe`'s routing of `x` at the recorded `ids` (a row of -1: its own), its own top k
+    compared with them."""
     logits = moe.gate(x)
-    ids = ids.to(logits.device)
     _, own = moe.picks(logits)
-    ranked = logits.float().topk(moe.top_k + 1, dim=-1).values  # every router ranks by logit
+    ids = ids.to(logits.device)
+    ids = torch.where(ids < 0, own, ids)
+    top = logits.float().topk(moe.top_k + 1, dim=-1)  # every router ranks experts by logit
     differ = (own.sort(-1).values != ids.sort(-1).values).any(-1)
-    gaps = (ranked[:, -2] - ranked[:, -1]) / ranked[:, 0].abs().clamp_min(1e-30)
+    gaps = (top.values[:, -2] - top.values[:, -1]) / top.values[:, 0].abs().clamp_min(1e-30)
     flips.positions += x.shape[0]
     flips.gaps += gaps[differ].cpu().tolist()
+    if ranked is not None:
+        ranked.append((top.indices.cpu(), gaps.cpu()))
     return moe.picks(logits, ids)
 
 
 def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run,
                                   dtype: str) -> Correctness:
     """`check_against_no_cache`, its reference routed as `run` was where the model has experts
-    (`record_routing`), its flips in the result; a dense model's as it is."""
+    (`record_routing`, `explained_reference`), its flips in the result; a dense model's as it
+    is."""
     if not moe_layers(model):
         return check_against_no_cache(model, prompts, run, dtype)
     routing = record_routing(model, batch, prompts, run)
     flips = Flips(TOLERANCE[dtype])
 
     def reference(i, prompt, fed):
-        with replaying(model, routing[i], flips):
-            return no_cache_logits(model, prompt, fed)
+        return explained_reference(model, prompt, fed, routing[i], run.logits[:, i], flips)
     return check_against_no_cache(model, prompts, run, dtype, reference, flips)
+
+
+def explained_reference(model, prompt, fed, routing, got: torch.Tensor, flips: Flips):
+    """One sequence's reference logits, routed by `routing`. The rerun that recorded it is
+    eager; a compiled step rounds otherwise and may flip a near-tie the rerun did not. So a
+    step the run's logits `got` miss by more than the tolerance is tried once more with the
+    other side of each near-tie (gap within the tolerance) at its position, one MoE layer at a
+    time, the layers after it routing as they then see. If one routing explains the step, the
+    reference takes that step's logits from it and `flips.explained` keeps (step, MoE layer,
+    gap); a step no near-tie explains stays off, and fails the check."""
+    ranked: list = []
+    with replaying(model, routing, flips, ranked):
+        ref = no_cache_logits(model, prompt, fed)
+    for step in off_steps(got, ref, flips.tolerance):
+        position = len(prompt) - 1 + step
+        for j, (top, gaps) in enumerate(ranked):
+            if gaps[position] > flips.tolerance:
+                continue
+            alt = across(routing, j, position, other_side(routing[j][position], top[position]))
+            with replaying(model, alt, Flips(flips.tolerance)):
+                logits = no_cache_logits(model, prompt, fed)[step]
+            if not off_steps(got[step:step + 1], logits[None], flips.tolerance):
+                ref[step] = logits
+                flips.explained.append((step, j, float(gaps[position])))
+                break
+    return ref
+
+
+def across(routing: list[torch.Tensor], layer: int, position: int, other: torch.Tensor):
+    """`routing` with MoE layer `layer` taking `other` at `position`, and the layers after it
+    their own top k there (-1: a flip changes what they see)."""
+    alt = [ids.clone() for ids in routing]
+    alt[layer][position] = other
+    for ids in alt[layer + 1:]:
+        ids[position] = -1
+    return alt
+
+
+def off_steps(got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> list[int]:
+    """Steps whose logits `got` [steps, vocab] are off `ref` by more than `tolerance`."""
+    err = (got.float() - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
+    return (err > tolerance).nonzero().flatten().tolist()
+
+
+def other_side(ids: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The picks across a near-tie from `ids` (k experts): where they are the top k of `top`
+    (the reference's top k + 1), the k - 1 best and the (k+1)-th; otherwise the top k."""
+    k = ids.numel()
+    if set(ids.tolist()) == set(top[:k].tolist()):
+        return torch.cat([top[:k - 1], top[k:]])
+    return top[:k].clone()
