@@ -85,11 +85,26 @@ def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) ->
             return torch._grouped_mm(rows, weights, offs=ends)
         except RuntimeError:  # its strides must be multiples of 16 bytes: odd sizes loop
             pass
+    if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        return masked_products(rows, weights, ends)
     out, start = rows.new_empty(rows.shape[0], weights.shape[2]), 0
     for g, end in enumerate(ends.tolist()):
         if end > start:
             out[start:end] = rows[start:end] @ weights[g]
         start = end
+    return out
+
+
+def masked_products(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor):
+    """`grouped_mm` without reading `ends` on the host, for a CUDA graph's capture (where the
+    host cannot wait for the device): every group's product over every row, each row kept
+    from its own group's. Reads every expert, so it costs what a dense layer of E experts
+    does; only a capture without the grouped product takes it."""
+    group = torch.searchsorted(ends, torch.arange(rows.shape[0], device=rows.device,
+                                                  dtype=ends.dtype), right=True)
+    out = rows.new_zeros(rows.shape[0], weights.shape[2])
+    for g in range(weights.shape[0]):
+        out += (group == g)[:, None] * (rows @ weights[g])
     return out
 
 
