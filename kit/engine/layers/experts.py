@@ -104,7 +104,7 @@ def masked_products(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tenso
                                                   dtype=ends.dtype), right=True)
     out = rows.new_zeros(rows.shape[0], weights.shape[2])
     for g in range(weights.shape[0]):
-        out += (group == g)[:, None] * (rows @ weights[g])
+        out = torch.where((group == g)[:, None], rows @ weights[g], out)
     return out
 
 
