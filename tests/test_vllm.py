@@ -385,7 +385,7 @@ def kit_side(spec, budget, max_model_len, batched):
         s = kv_cache_config(spec, budget, max_model_len, "CPU", batched)
     except ConfigError:
         return None
-    groups = sorted((g.layers, g.window, g.blocks_per_request(max_model_len, batched))
+    groups = sorted((g.layers, g.window, g.chunk, g.blocks_per_request(max_model_len, batched))
                     for g in spec.groups)
     return (s.num_blocks, spec.bytes_per_block, s.num_tokens, s.max_concurrency, s.log_line(),
             groups)
@@ -395,7 +395,7 @@ def vllm_side(r):
     if r.error:
         return None
     return (r.num_blocks, r.bytes_per_block, r.num_tokens, r.max_concurrency, r.log_line,
-            sorted((g.layers, g.window, g.blocks_per_request) for g in r.groups))
+            sorted((g.layers, g.window, g.chunk, g.blocks_per_request) for g in r.groups))
 
 
 def edge_budgets(spec, max_model_len, batched):
