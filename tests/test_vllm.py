@@ -221,6 +221,13 @@ TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"slidin
 TODAYS |= {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                          "mlp_only_layers": [2], "norm_topk_prob": False},
            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2}}
+# Llama 4: chunks of 32 on its RoPE layers (the prompts and steps cross them; vLLM's chunked
+# attention wants blocks that divide the chunk: block 32 there), layer 3 NoPE, every 2nd layer
+# MoE (4 experts, top 1, as the published ones) with a shared expert, dense layers of their
+# own width
+TODAYS |= {"llama4_text": {"attention_chunk_size": 32, "interleave_moe_layer_step": 2,
+                           "num_local_experts": 4, "num_experts_per_tok": 1,
+                           "intermediate_size_mlp": 192}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -254,13 +261,14 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     arch = kit.config.ModelConfig.load(str(folder))
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (
         "sliding_window" in TODAYS[family])
-    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6}.get(family, 0)
+    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6, "llama4_text": 3}.get(family, 0)
     assert sum(arch.is_moe(i) for i in range(6)) == moe_layers
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
     batch = batch_for_run(KVCacheLayout.for_model(arch, 16, "float32"), lengths, steps, "cpu")
     run = generate(build_model(arch, "float32", "cpu"), batch, prompts, steps, keep_logits=False)
-    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
+    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
+                                  block_size=32 if family == "llama4_text" else 128)
     assert vllm.tokens == run.tokens.tolist()
 
 
