@@ -448,14 +448,19 @@ def test_the_kits_kv_cache_equals_vllms_from_the_users_config_json(grid):
 
 def test_the_grid_holds_windows_that_multiply_concurrency_and_ones_that_cost_a_block(grid):
     """Window groups whose reservation is below full attention's, and ones where
-    min(W - 1 + batched, max_model_len) + a block costs one block more than full attention."""
-    costs = {"less": 0, "more": 0}
+    min(W - 1 + batched, max_model_len) + a block costs one block more than full attention;
+    Llama 4's chunk groups reserve min(C + batched, max_model_len), never more than full
+    attention, and less at a max_model_len past it."""
+    costs = {"less": 0, "more": 0, "chunk less": 0, "chunk more": 0}
     for (_, block_size, _, n, _, _), _, vllm in grid:
-        for _, window, blocks in (vllm[-1] if vllm else ()):
+        for _, window, chunk, blocks in (vllm[-1] if vllm else ()):
             full = -(-n // block_size)
             if window is not None:
                 costs["less" if blocks < full else "more"] += blocks != full
-    assert costs["less"] > 0 and costs["more"] > 0, costs
+            if chunk is not None:
+                costs["chunk less" if blocks < full else "chunk more"] += blocks != full
+    assert costs["less"] > 0 and costs["more"] > 0 and costs["chunk less"] > 0, costs
+    assert costs["chunk more"] == 0, costs
 
 
 @pytest.mark.parametrize("name,block_size,cache_dtype", [

@@ -165,6 +165,12 @@ class ModelConfig:
         """What the scores q·k are multiplied by before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def dense_intermediate_size(self) -> int:
+        """A dense layer's MLP width (Llama 4's `intermediate_size_mlp`, else
+        intermediate_size)."""
+        return self.intermediate_size_mlp or self.intermediate_size
+
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP routes each token through experts."""
         return bool(self.mlp_kinds) and self.mlp_kinds[layer] == "experts"
@@ -180,10 +186,11 @@ class ModelConfig:
         return 3 * self.hidden_size * self.moe_intermediate_size
 
     def mlp_weights(self, layer: int, active: bool = False) -> int:
-        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router and
-        every expert (`active`: only the num_experts_per_tok experts one token runs)."""
+        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router,
+        every expert (`active`: only the num_experts_per_tok experts one token runs) and a
+        shared expert's three (Llama 4)."""
         if not self.is_moe(layer):
-            return 3 * self.hidden_size * (self.intermediate_size_mlp or self.intermediate_size)
+            return 3 * self.hidden_size * self.dense_intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
         shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
         return self.num_experts * self.hidden_size + experts * self.expert_weights() + shared

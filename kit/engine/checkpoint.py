@@ -130,7 +130,7 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
 def dense_mlp_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
     """A dense layer's MLP (Llama 4's is `feed_forward`, `intermediate_size_mlp` wide)."""
     return gated_mlp_tensors(arch, kit, f"{hf}{arch.parts.mlp_name}.",
-                             arch.intermediate_size_mlp or arch.intermediate_size)
+                             arch.dense_intermediate_size)
 
 
 def gated_mlp_tensors(arch: ModelConfig, kit: str, hf: str, inter: int) -> dict:

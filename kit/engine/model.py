@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
         self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else \
-            MLP(arch, arch.intermediate_size_mlp)
+            MLP(arch, arch.dense_intermediate_size)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
