@@ -341,8 +341,10 @@ def decode_error(folder, case, strategy, dtype="float32") -> float:
 @pytest.mark.parametrize("case,strategy", [
     *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
     ("gemma2-window-softcap", "eager_summed"), ("gpt-oss-sinks-window-yarn", "eager_summed"),
+    ("llama4-chunked-nope-moe", "eager_summed"),
     pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow),  # compiles: ~10 s
-    pytest.param("gpt-oss-sinks-window-yarn", "guard_free", marks=pytest.mark.slow)])
+    pytest.param("gpt-oss-sinks-window-yarn", "guard_free", marks=pytest.mark.slow),
+    pytest.param("llama4-chunked-nope-moe", "guard_free", marks=pytest.mark.slow)])
 def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
     """Every decode step's logits (prefill included) against transformers', float32 within
     1e-4 of the largest logit: the eager step (attention as two matmuls) and a compiled one
