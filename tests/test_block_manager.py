@@ -18,11 +18,15 @@ GEMMA3 = (7,) * 5 + (None,)           # 5 sliding : 1 full
 GEMMA2 = (10, None) * 3               # alternating
 MISTRAL = (6,) * 6                    # all sliding
 FULL = (None,) * 4
+LLAMA4 = (("chunk", 16),) * 3 + (None,)  # 3 chunked local : 1 full (NoPE)
 
 
 def groups_of(windows, block_size: int):
-    """The KV cache groups of layers with these windows (None: full attention)."""
-    return kv_cache_groups(attention_specs(windows, block_size, 1, 8, 2))
+    """The KV cache groups of layers with these windows (None: full attention; ("chunk", C):
+    Llama 4's chunked local attention)."""
+    chunks = [w[1] if isinstance(w, tuple) else None for w in windows]
+    windows = [None if isinstance(w, tuple) else w for w in windows]
+    return kv_cache_groups(attention_specs(windows, block_size, 1, 8, 2, chunks))
 
 
 def invariants(t: GroupedBlockTables):
@@ -160,10 +164,13 @@ def vllm_manager(windows, block_size: int, num_blocks: int):
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                            KVCacheConfig, SlidingWindowSpec)
 
     def spec(window):
         kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+        if isinstance(window, tuple):
+            return ChunkedLocalAttentionSpec(attention_chunk_size=window[1], **kw)
         return FullAttentionSpec(**kw) if window is None else \
             SlidingWindowSpec(sliding_window=window, **kw)
 
@@ -244,7 +251,8 @@ def against_vllm(test):
     return pytest.mark.vllm(pytest.mark.skipif(vllm_missing() is not None,
                                                reason=str(vllm_missing()))(test))
 
-SHAPES = {"gemma3-like": GEMMA3, "gemma2-like": GEMMA2, "mistral-like": MISTRAL, "full": FULL}
+SHAPES = {"gemma3-like": GEMMA3, "gemma2-like": GEMMA2, "mistral-like": MISTRAL, "full": FULL,
+          "llama4-like": LLAMA4}
 
 
 @pytest.mark.parametrize("shape", SHAPES)

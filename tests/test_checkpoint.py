@@ -70,9 +70,20 @@ CASES = {
         "swiglu_limit": 1.5, "swiglu_alpha": 1.2, "rope_theta": 150000.0,
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 16}},
+    # Llama 4: chunks of 8 on the RoPE layers (0-2), layer 3 NoPE with its queries' temperature
+    # tuned from position 3 on (floor_scale 4), MoE layers 1 and 3 (top 2 of 4 by sigmoid,
+    # inputs scaled, a shared expert) beside dense ones of another width, q and k L2-normed,
+    # Llama 3's RoPE scaling; prompts and steps cross chunk edges
+    "llama4-chunked-nope-moe": {
+        "model_type": "llama4_text", "num_hidden_layers": 4, "attention_chunk_size": 8,
+        "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size_mlp": 128, "floor_scale": 4, "attn_scale": 0.5,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
 }
-# Cases with sliding layers, run on prompts several windows long.
-WINDOWED = [case for case, changes in CASES.items() if "sliding_window" in changes]
+# Cases with sliding or chunked layers, run on prompts several windows (chunks) long.
+WINDOWED = [case for case, changes in CASES.items()
+            if "sliding_window" in changes or "attention_chunk_size" in changes]
 
 
 def is_gemma(case: str) -> bool:
@@ -330,8 +341,10 @@ def decode_error(folder, case, strategy, dtype="float32") -> float:
 @pytest.mark.parametrize("case,strategy", [
     *((case, "eager") for case in CASES), ("gemma-mqa", "eager_summed"),
     ("gemma2-window-softcap", "eager_summed"), ("gpt-oss-sinks-window-yarn", "eager_summed"),
+    ("llama4-chunked-nope-moe", "eager_summed"),
     pytest.param("llama-gqa", "guard_free", marks=pytest.mark.slow),  # compiles: ~10 s
-    pytest.param("gpt-oss-sinks-window-yarn", "guard_free", marks=pytest.mark.slow)])
+    pytest.param("gpt-oss-sinks-window-yarn", "guard_free", marks=pytest.mark.slow),
+    pytest.param("llama4-chunked-nope-moe", "guard_free", marks=pytest.mark.slow)])
 def test_paged_decode_logits_match_transformers(tmp_path, case, strategy):
     """Every decode step's logits (prefill included) against transformers', float32 within
     1e-4 of the largest logit: the eager step (attention as two matmuls) and a compiled one

@@ -205,7 +205,7 @@ def test_vllm_model_folders_have_a_stable_path_per_config(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3_text", "mistral", "qwen3", "llama",
-                                    "qwen3_moe", "mixtral"])
+                                    "qwen3_moe", "mixtral", "llama4_text"])
 def test_keys_left_out_read_as_transformers_reads_them(family):
     """A config.json that leaves keys out means what its family's transformers config class
     assumes (vLLM reads it through that class too): caps, scalar, window, head_dim, RoPE,

@@ -12,7 +12,10 @@ from kit.units import GiB
 # The published checkpoints' parameter counts (every expert) and those one token runs
 # (its k experts, attention, routers, norms and both embeddings).
 COUNTS = {"qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
-          "mixtral-8x7b": (46_702_792_704, 12_879_925_248)}
+          "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
+          # the text decoder of Llama 4 Scout (transformers' Llama4ForCausalLM counts the same;
+          # the published 109 B adds the vision encoder), a shared expert per layer
+          "llama-4-scout": (107_769_861_120, 17_172_894_720)}
 
 
 @pytest.mark.parametrize("name", COUNTS)

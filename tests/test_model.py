@@ -21,6 +21,8 @@ def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
         if FAMILIES[family].experts else {}
     if family == "gpt_oss":  # its experts are intermediate_size wide
         del experts["moe_intermediate_size"]
+    if family == "llama4_text":  # so are Llama 4's, counted as num_local_experts
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -386,3 +388,22 @@ def test_an_moe_forward_compiles_to_one_graph():
     explained = torch._dynamo.explain(model.forward)(torch.randint(0, 101, (2, 5)))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         explained.break_reasons
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 13])
+@pytest.mark.parametrize("max_score_bytes", [1, 2 * 4 * 4 * 13 * 3])
+def test_chunked_local_prefill_sees_only_each_querys_chunk(chunk, max_score_bytes, monkeypatch):
+    """Llama 4's chunked local attention: each query attends to the earlier keys of its own
+    chunk (written out here per query); the queries in bounded pieces give the same."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 13, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 13, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    whole = prefill_attention(q, k, v, 0.3, chunk=chunk)
+    monkeypatch.setattr(prefill_module, "MAX_SCORE_BYTES", max_score_bytes)
+    torch.testing.assert_close(prefill_attention(q, k, v, 0.3, chunk=chunk), whole,
+                               rtol=1e-12, atol=1e-12)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    for p in range(13):
+        first = p // chunk * chunk
+        weights = (q[:, :, p:p + 1] @ kk[:, :, first:p + 1].transpose(-1, -2) * 0.3).softmax(-1)
+        torch.testing.assert_close(whole[:, :, p:p + 1], weights @ vv[:, :, first:p + 1])

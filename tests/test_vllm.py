@@ -221,6 +221,13 @@ TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"slidin
 TODAYS |= {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                          "mlp_only_layers": [2], "norm_topk_prob": False},
            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2}}
+# Llama 4: chunks of 32 on its RoPE layers (the prompts and steps cross them; vLLM's chunked
+# attention wants blocks that divide the chunk: block 32 there), layer 3 NoPE, every 2nd layer
+# MoE (4 experts, top 1, as the published ones) with a shared expert, dense layers of their
+# own width
+TODAYS |= {"llama4_text": {"attention_chunk_size": 32, "interleave_moe_layer_step": 2,
+                           "num_local_experts": 4, "num_experts_per_tok": 1,
+                           "intermediate_size_mlp": 192}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -254,13 +261,14 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     arch = kit.config.ModelConfig.load(str(folder))
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (
         "sliding_window" in TODAYS[family])
-    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6}.get(family, 0)
+    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6, "llama4_text": 3}.get(family, 0)
     assert sum(arch.is_moe(i) for i in range(6)) == moe_layers
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
     batch = batch_for_run(KVCacheLayout.for_model(arch, 16, "float32"), lengths, steps, "cpu")
     run = generate(build_model(arch, "float32", "cpu"), batch, prompts, steps, keep_logits=False)
-    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)
+    vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
+                                  block_size=32 if family == "llama4_text" else 128)
     assert vllm.tokens == run.tokens.tolist()
 
 
@@ -385,7 +393,7 @@ def kit_side(spec, budget, max_model_len, batched):
         s = kv_cache_config(spec, budget, max_model_len, "CPU", batched)
     except ConfigError:
         return None
-    groups = sorted((g.layers, g.window, g.blocks_per_request(max_model_len, batched))
+    groups = sorted((g.layers, g.window, g.chunk, g.blocks_per_request(max_model_len, batched))
                     for g in spec.groups)
     return (s.num_blocks, spec.bytes_per_block, s.num_tokens, s.max_concurrency, s.log_line(),
             groups)
@@ -395,7 +403,7 @@ def vllm_side(r):
     if r.error:
         return None
     return (r.num_blocks, r.bytes_per_block, r.num_tokens, r.max_concurrency, r.log_line,
-            sorted((g.layers, g.window, g.blocks_per_request) for g in r.groups))
+            sorted((g.layers, g.window, g.chunk, g.blocks_per_request) for g in r.groups))
 
 
 def edge_budgets(spec, max_model_len, batched):
@@ -440,14 +448,19 @@ def test_the_kits_kv_cache_equals_vllms_from_the_users_config_json(grid):
 
 def test_the_grid_holds_windows_that_multiply_concurrency_and_ones_that_cost_a_block(grid):
     """Window groups whose reservation is below full attention's, and ones where
-    min(W - 1 + batched, max_model_len) + a block costs one block more than full attention."""
-    costs = {"less": 0, "more": 0}
+    min(W - 1 + batched, max_model_len) + a block costs one block more than full attention;
+    Llama 4's chunk groups reserve min(C + batched, max_model_len), never more than full
+    attention, and less at a max_model_len past it."""
+    costs = {"less": 0, "more": 0, "chunk less": 0, "chunk more": 0}
     for (_, block_size, _, n, _, _), _, vllm in grid:
-        for _, window, blocks in (vllm[-1] if vllm else ()):
+        for _, window, chunk, blocks in (vllm[-1] if vllm else ()):
             full = -(-n // block_size)
             if window is not None:
                 costs["less" if blocks < full else "more"] += blocks != full
-    assert costs["less"] > 0 and costs["more"] > 0, costs
+            if chunk is not None:
+                costs["chunk less" if blocks < full else "chunk more"] += blocks != full
+    assert costs["less"] > 0 and costs["more"] > 0 and costs["chunk less"] > 0, costs
+    assert costs["chunk more"] == 0, costs
 
 
 @pytest.mark.parametrize("name,block_size,cache_dtype", [

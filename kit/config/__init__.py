@@ -10,15 +10,15 @@ The names the rest of the kit uses are importable from `kit.config` itself.
 """
 from kit.config.data import (DATA, DEFAULT_PRESET, MODELS_DIR, PRESETS_DIR, known_names,
                              read_preset, reference)
-from kit.config.families import (FAMILIES, FULL, INERT_KEYS, LAYER_NORMS, OUT_OF_REACH, READ_KEYS,
-                                 SLIDING, Parts)
+from kit.config.families import (CHUNKED, FAMILIES, FULL, INERT_KEYS, LAYER_NORMS,
+                                 OUT_OF_REACH, READ_KEYS, SLIDING, Parts)
 from kit.config.model_config import ModelConfig, checkpoint_files, with_layer_pattern
 from kit.config.settings import (DTYPE_ALIASES, DTYPE_BYTES, KV_CACHE_DTYPES, PARAMETERS,
                                  STRATEGIES, TOLERANCE, Settings, available_strategies,
                                  check_kv_cache_dtype, check_tensor_parallel, load,
                                  notebook_settings, resolve_device)
 
-__all__ = ["DATA", "DEFAULT_PRESET", "DTYPE_ALIASES", "DTYPE_BYTES", "FAMILIES", "FULL",
+__all__ = ["CHUNKED", "DATA", "DEFAULT_PRESET", "DTYPE_ALIASES", "DTYPE_BYTES", "FAMILIES", "FULL",
            "INERT_KEYS", "KV_CACHE_DTYPES", "LAYER_NORMS", "MODELS_DIR", "OUT_OF_REACH",
            "PARAMETERS", "PRESETS_DIR", "READ_KEYS", "SLIDING", "STRATEGIES", "TOLERANCE",
            "ModelConfig", "Parts", "Settings", "available_strategies", "check_kv_cache_dtype",

@@ -18,6 +18,9 @@ LAYER_NORMS = {
 # A layer's attention kind, as config.json's `layer_types` names it: a full layer attends to
 # every earlier position, a sliding one to the last `sliding_window` (itself included).
 FULL, SLIDING = "full_attention", "sliding_attention"
+# Llama 4's RoPE layers: a token attends only to the earlier tokens of its own chunk of
+# `attention_chunk_size` positions (positions p and q share a chunk when p // C == q // C).
+CHUNKED = "chunked_attention"
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class Parts:
     o_bias: bool = False
     expert_bias: bool = False
     expert_act: str = "gated"       # "gated": act(gate) × up; "clamped_swiglu": gpt-oss's
+    # Llama 4: a shared expert (a dense gated MLP) beside the routed ones on every MoE layer,
+    # each token's input scaled by its router weight before its expert (not the output after),
+    # the MLP's checkpoint name (`mlp_name`), and RoPE's pairs of adjacent elements
+    # ("interleaved": Meta's layout, permuted to the kit's halves at load, as vLLM does)
+    shared_expert: bool = False
+    experts_scale_input: bool = False
+    mlp_name: str = "mlp"
+    rope_pairs: str = "halves"
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -69,18 +80,27 @@ FAMILIES = {
     "gpt_oss": Parts("GptOssForCausalLM", attention_bias=True, experts="topk_softmax",
                      expert_names="gpt_oss", sinks=True, o_bias=True, expert_bias=True,
                      expert_act="clamped_swiglu"),
+    # Llama 4's text decoder: chunked local attention on its RoPE layers, full attention
+    # without RoPE (NoPE) on the others, MoE layers every `interleave_moe_layer_step`
+    "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
+                         shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
+                         rope_pairs="interleaved"),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
 # the config says so (Mixtral always, Qwen3-MoE with `norm_topk_prob`); "topk_softmax"
-# (gpt-oss) takes the k largest logits, then the softmax over those k.
-ROUTERS = ("softmax_topk", "topk_softmax")
+# (gpt-oss) takes the k largest logits, then the softmax over those k; "topk_sigmoid" (Llama 4)
+# the k largest logits, then the sigmoid of each (no normalisation).
+ROUTERS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 # A checkpoint's names for one MoE layer's router and expert e's matrices (`Parts.expert_names`):
 # (block, router, gate, up, down), as the published checkpoints and transformers write them.
 EXPERT_NAMES = {"qwen": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
                 "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
                 # gpt-oss: every expert in one tensor per matrix (kit.engine.checkpoint)
-                "gpt_oss": ("mlp", "router", "gate_up_proj", "gate_up_proj", "down_proj")}
+                "gpt_oss": ("mlp", "router", "gate_up_proj", "gate_up_proj", "down_proj"),
+                # Llama 4: stacked too, gate's columns then up's ([E, H, 2I]), no biases
+                "llama4": ("feed_forward", "router", "gate_up_proj", "gate_up_proj",
+                           "down_proj")}
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # that differs from the kit's plain reading (vLLM reads configs through those classes too):
 # a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
@@ -107,6 +127,13 @@ CONFIG_DEFAULTS = {
     "gpt_oss": {"head_dim": 64, "sliding_window": 128, "max_position_embeddings": 131_072,
                 "rms_norm_eps": 1e-5, "num_local_experts": 128, "num_experts_per_tok": 4,
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+    # Llama4TextConfig's defaults (Llama 4 Scout's shape) for what is not a size
+    "llama4_text": {"head_dim": 128, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5,
+                    "intermediate_size_mlp": 16_384, "num_local_experts": 16,
+                    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+                    "use_qk_norm": True, "no_rope_layer_interval": 4,
+                    "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+                    "floor_scale": 8192, "attn_scale": 0.1},
 }
 # Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
 GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
@@ -124,14 +151,16 @@ def with_family_defaults(hf: dict, family: str) -> dict:
         defaults.update(GEMMA3_ROPE)
     if family == "gpt_oss" and not hf.get("rope_parameters"):
         defaults.update(GPT_OSS_ROPE)
+    if family == "llama4_text" and not hf.get("rope_parameters"):
+        defaults["rope_theta"] = 500_000.0  # Llama4TextConfig.default_theta
     return {**defaults, **hf}
 
 
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
-    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "llama4",
-                           "llama4_text", "jamba", "gemma4_text", "glm4_moe", "minimax_m2"),
+    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "gemma4_text",
+                           "glm4_moe", "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
                                                "bamba", "nemotron_h", "zamba2", "lfm2"),
 }
@@ -145,6 +174,7 @@ INERT_KEYS = {
     "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
     "_sliding_window_pattern",  # Gemma 3's class keeps sliding_window_pattern under this name
     "router_jitter_noise", "output_router_logits", "router_aux_loss_coef",  # training only
+    "for_llm_compressor",  # Llama 4's published text config: a flag for llm-compressor
 }
 # Keys the decoder honours only at the values listed (what every family it builds uses).
 FIXED_KEYS = {"mlp_bias": (False,), "pretraining_tp": (1,), "partial_rotary_factor": (1, 1.0),
@@ -168,6 +198,13 @@ MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_inte
 # transformers nor vLLM: inert).
 GPT_OSS_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "swiglu_alpha",
                 "swiglu_limit", "experts_per_token", "initial_context_length"}
+# Llama 4's own keys (Llama4TextConfig), read by `kit.config.llama4`.
+LLAMA4_KEYS = {"num_local_experts", "num_experts_per_tok", "intermediate_size_mlp",
+               "moe_layers", "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers",
+               "no_rope_layer_interval", "attention_chunk_size", "attn_temperature_tuning",
+               "floor_scale", "attn_scale"}
+# The multimodal wrappers whose text decoder the kit builds under its own model_type.
+TEXT_DECODERS = {"llama4": "llama4_text"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -175,13 +212,19 @@ def check_family(family, name: str) -> None:
     """A model_type the decoder builds; kinds it cannot build refused by what they need."""
     if family in FAMILIES:
         return
+    if family in TEXT_DECODERS:
+        raise ConfigError(
+            f"model {name!r}: model_type {family!r} is the multimodal model (a vision encoder "
+            f"and a text decoder); the kit builds its text decoder, model_type "
+            f"{TEXT_DECODERS[family]!r}: give the config.json's text_config (with "
+            f"\"model_type\": \"{TEXT_DECODERS[family]}\") instead.")
     need = next((what for what, types in OUT_OF_REACH.items() if family in types), None)
     raise ConfigError(
         f"model {name!r}: model_type {family!r} is not supported"
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
         f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
-        "sliding windows, with or without sinks.")
+        "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers.")
 
 
 def check_keys(hf: dict, name: str) -> None:
@@ -196,6 +239,8 @@ def check_keys(hf: dict, name: str) -> None:
             "key from config.json to size or run it so.")
     if hf["model_type"] == "gpt_oss":
         known |= GPT_OSS_KEYS
+    elif hf["model_type"] == "llama4_text":
+        known |= LLAMA4_KEYS
     elif FAMILIES[hf["model_type"]].experts:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)

@@ -7,10 +7,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kit.config.data import MODELS_DIR, known_names
-from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
+from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, SLIDING, Parts,
+                                 check_family,
                                  check_keys, experts_of, layer_types, mlp_kinds, rope,
                                  with_family_defaults)
 from kit.config.hub import hub_config, is_hub_id
+from kit.config.llama4 import llama4_fields, llama4_keys
 from kit.errors import ConfigError
 
 
@@ -50,6 +52,14 @@ class ModelConfig:
     norm_topk_prob: bool = False   # the k picked probabilities renormalised to sum to 1
     swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: gate·σ(alpha·gate)·(up + 1),
     swiglu_limit: float | None = None  # gate clamped above at limit, up to ±limit
+    # Llama 4 (`kit.config.llama4`): CHUNKED layers attend within chunks of this many positions
+    attention_chunk_size: int | None = None
+    nope_layers: tuple = ()        # layers without RoPE
+    qk_l2_norm: bool = False       # q and k of the RoPE layers RMS-normed without a weight
+    floor_scale: float | None = None  # NoPE layers' queries × 1 + attn_scale·ln(1 +
+    attn_scale: float | None = None   # floor((pos + 1) / floor_scale)); None: not scaled
+    intermediate_size_mlp: int | None = None  # the dense layers' width, where not intermediate_size
+    shared_expert_intermediate_size: int = 0  # a shared expert's width on MoE layers; 0: none
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -71,7 +81,8 @@ class ModelConfig:
             act = FAMILIES[family].gelu
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
-        kinds = layer_types(hf, family, name)
+        own = llama4_fields(hf, name) if family == "llama4_text" else {}
+        kinds = own.pop("layer_types", None) or layer_types(hf, family, name)
         theta, local_theta, scaling = rope(hf, name)
         return cls(
             name=name, family=family,
@@ -94,7 +105,8 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
-            mlp_kinds=mlp_kinds(hf, family, name), **experts_of(hf, family, name),
+            mlp_kinds=own.pop("mlp_kinds", None) or mlp_kinds(hf, family, name),
+            **experts_of(hf, family, name), **own,
         )
 
     @classmethod
@@ -131,6 +143,14 @@ class ModelConfig:
         """FULL or SLIDING: what layer `layer` attends to."""
         return self.layer_types[layer] if self.layer_types else FULL
 
+    def chunk(self, layer: int) -> int | None:
+        """The chunk layer `layer` attends within (Llama 4's CHUNKED layers); None: none."""
+        return self.attention_chunk_size if self.attention_kind(layer) == CHUNKED else None
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys (Llama 4's NoPE layers do not)."""
+        return layer not in self.nope_layers
+
     def window(self, layer: int) -> int | None:
         """Positions layer `layer` sees (the newest included); None: all of them."""
         return self.sliding_window if self.attention_kind(layer) == SLIDING else None
@@ -144,6 +164,12 @@ class ModelConfig:
     def attention_scale(self) -> float:
         """What the scores q·k are multiplied by before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        """A dense layer's MLP width (Llama 4's `intermediate_size_mlp`, else
+        intermediate_size)."""
+        return self.intermediate_size_mlp or self.intermediate_size
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP routes each token through experts."""
@@ -166,12 +192,14 @@ class ModelConfig:
             2 * self.moe_intermediate_size + self.hidden_size)
 
     def mlp_weights(self, layer: int, active: bool = False) -> int:
-        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router and
-        every expert (`active`: only the num_experts_per_tok experts one token runs)."""
+        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router,
+        every expert (`active`: only the num_experts_per_tok experts one token runs) and a
+        shared expert's three (Llama 4)."""
         if not self.is_moe(layer):
-            return 3 * self.hidden_size * self.intermediate_size
+            return 3 * self.hidden_size * self.dense_intermediate_size
         experts = self.num_experts_per_tok if active else self.num_experts
-        return self.num_experts * self.hidden_size + experts * self.expert_weights()
+        shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
+        return self.num_experts * self.hidden_size + experts * self.expert_weights() + shared
 
     def layer_weights(self, layer: int = 0, active: bool = False) -> int:
         """Elements of layer `layer`'s matrices: the Q, K, V and O projections and its MLP's."""
@@ -238,6 +266,8 @@ class ModelConfig:
         if not self.num_experts:
             return {}
         keys = {"num_experts_per_tok": self.num_experts_per_tok}
+        if self.family == "llama4_text":
+            return llama4_keys(self)
         if self.family == "mixtral":
             return {**keys, "num_local_experts": self.num_experts}
         if self.family == "gpt_oss":

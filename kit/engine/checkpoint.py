@@ -46,19 +46,38 @@ def swap_last(t: torch.Tensor) -> torch.Tensor:
 # kit's name -> (checkpoint -> kit, kit -> checkpoint). gpt-oss stores every expert in one tensor,
 # [E, in, out] (`gate_up_proj` [E, H, 2I] with gate and up columns alternating), where the kit
 # holds [E, out, in] with gate's rows, then up's (vLLM's FusedMoE layout).
-CONVERSIONS = {
+CONVERSIONS = {"gpt_oss": {
     "experts.gate_up_proj": (lambda t: swap_last(deinterleave(t)),
                              lambda p: interleave(swap_last(p))),
     "experts.gate_up_proj_bias": (deinterleave, interleave),
     "experts.down_proj": (swap_last, swap_last),
-}
+}, "llama4": {  # [E, H, 2I], gate's columns then up's, and [E, I, H]: transposed only
+    "experts.gate_up_proj": (swap_last, swap_last),
+    "experts.down_proj": (swap_last, swap_last),
+}}
+ROTATED = ("q_proj.weight", "k_proj.weight")  # the projections RoPE turns
 
 
-def conversion(arch: ModelConfig, kit_name: str):
-    """The (to kit, to checkpoint) pair for parameter `kit_name`, None when stored as it is."""
-    if arch.parts.expert_names != "gpt_oss":
-        return None
-    return CONVERSIONS.get(kit_name.partition(".mlp.")[2])
+def pairs_to_halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Each head's rows in RoPE pairs of adjacent rows (Meta's layout, Llama 4's checkpoints)
+    -> the even rows, then the odd ones (the halves the kit rotates): vLLM's
+    `permute_qk_weight_for_rotary`. Attention is unchanged, as q and k move alike."""
+    rows, cols = t.shape
+    return t.view(rows // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_pairs(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    rows, cols = t.shape
+    return t.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def conversion(arch: ModelConfig, kit_name: str, hf_name: str = ""):
+    """The (to kit, to checkpoint) pair for parameter `kit_name`'s part `hf_name`, None when
+    stored as it is: stacked experts (`CONVERSIONS`), and Llama 4's q and k rows."""
+    if arch.parts.rope_pairs == "interleaved" and hf_name.endswith(ROTATED):
+        d = arch.head_dim
+        return (lambda t: pairs_to_halves(t, d)), (lambda p: halves_to_pairs(p, d))
+    return CONVERSIONS.get(arch.parts.expert_names, {}).get(kit_name.partition(".mlp.")[2])
 
 
 def layout(arch: ModelConfig) -> dict[str, list[str]]:
@@ -83,7 +102,8 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
         parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn."))
         mlp = dense_mlp_tensors if not arch.is_moe(i) else stacked_experts_tensors \
-            if arch.parts.expert_names == "gpt_oss" else experts_tensors
+            if arch.parts.expert_names == "gpt_oss" else llama4_experts_tensors \
+            if arch.parts.expert_names == "llama4" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
@@ -108,10 +128,28 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
 
 
 def dense_mlp_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
-    h, inter = arch.hidden_size, arch.intermediate_size
-    return {f"{kit}gate_up_proj.weight": [(f"{hf}mlp.gate_proj.weight", (inter, h)),
-                                          (f"{hf}mlp.up_proj.weight", (inter, h))],
-            f"{kit}down_proj.weight": [(f"{hf}mlp.down_proj.weight", (h, inter))]}
+    """A dense layer's MLP (Llama 4's is `feed_forward`, `intermediate_size_mlp` wide)."""
+    return gated_mlp_tensors(arch, kit, f"{hf}{arch.parts.mlp_name}.",
+                             arch.dense_intermediate_size)
+
+
+def gated_mlp_tensors(arch: ModelConfig, kit: str, hf: str, inter: int) -> dict:
+    h = arch.hidden_size
+    return {f"{kit}gate_up_proj.weight": [(f"{hf}gate_proj.weight", (inter, h)),
+                                          (f"{hf}up_proj.weight", (inter, h))],
+            f"{kit}down_proj.weight": [(f"{hf}down_proj.weight", (h, inter))]}
+
+
+def llama4_experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """Llama 4's router, experts ([E, in, out] each, as transformers writes them, converted at
+    load and write: `CONVERSIONS`) and shared expert."""
+    h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    block = f"{hf}feed_forward."
+    return {f"{kit}gate.weight": [(f"{block}router.weight", (e, h))],
+            f"{kit}experts.gate_up_proj": [(f"{block}experts.gate_up_proj", (e, h, 2 * inter))],
+            f"{kit}experts.down_proj": [(f"{block}experts.down_proj", (e, inter, h))],
+            **gated_mlp_tensors(arch, kit + "shared_expert.", f"{block}shared_expert.",
+                                arch.shared_expert_intermediate_size)}
 
 
 def experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
@@ -178,11 +216,11 @@ def check_tensors(arch: ModelConfig, where: dict) -> None:
 
 
 @torch.no_grad()
-def copy_into(param: torch.Tensor, parts: list[str], where: dict, convert=None) -> None:
-    """Copy (and cast) the named tensors, each through `convert` where given, into consecutive
-    rows of `param` (of its experts' rows, for a stacked expert matrix)."""
+def copy_into(param: torch.Tensor, parts: list[str], where: dict, converts=None) -> None:
+    """Copy (and cast) the named tensors, each through its `converts` entry where given, into
+    consecutive rows of `param` (of its experts' rows, for a stacked expert matrix)."""
     param, row = rows_of(param), 0
-    for name in parts:
+    for name, convert in zip(parts, converts or [None] * len(parts)):
         tensor = where[name].get_tensor(name)
         tensor = rows_of(convert(tensor)) if convert else tensor
         rows = param[row:row + tensor.shape[0]]
@@ -212,8 +250,8 @@ def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
         check_tensors(arch, where)
         params = dict(model.named_parameters())
         for kit_name, parts in layout(arch).items():
-            convert = conversion(arch, kit_name)
-            copy_into(params[kit_name], parts, where, convert and convert[0])
+            converts = [conversion(arch, kit_name, name) for name in parts]
+            copy_into(params[kit_name], parts, where, [c and c[0] for c in converts])
 
 
 def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -221,13 +259,15 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tensors, params = {}, dict(model.named_parameters())
     shapes = hf_shapes(model.arch)
     for kit_name, parts in layout(model.arch).items():
-        param, convert = params[kit_name].detach(), conversion(model.arch, kit_name)
-        if convert:  # one tensor, in the checkpoint's layout
+        param = params[kit_name].detach()
+        convert = conversion(model.arch, kit_name, parts[0])
+        if convert and len(parts) == 1:  # one tensor (stacked experts), in its layout
             tensors[parts[0]] = convert[1](param).cpu().contiguous()
             continue
         sizes = [shapes[name][0] for name in parts]
         for name, piece in zip(parts, rows_of(param).split(sizes)):
-            tensors[name] = piece.cpu().contiguous()
+            convert = conversion(model.arch, kit_name, name)
+            tensors[name] = (convert[1](piece) if convert else piece).cpu().contiguous()
     return tensors
 
 

@@ -62,7 +62,7 @@ def peak_blocks(layout: KVCacheLayout, lengths: list[int], steps: int) -> int:
     sliding group hands back what leaves its window, so the run's block tables are replayed
     to find the peak)."""
     at_end = sum(layout.blocks_for(n + steps) for n in lengths)
-    if not layout.has_windows:
+    if not layout.forgets:
         return 1 + at_end
     tables = GroupedBlockTables(1 + at_end * len(layout.groups), layout.groups)
     held = []

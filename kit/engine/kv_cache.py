@@ -82,7 +82,8 @@ class KVCacheLayout:
         specs = attention_specs(windows, size,
                                 kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
                                 arch.head_dim, KV_CACHE_DTYPES[kv_cache_dtype]
-                                or DTYPE_BYTES[model_dtype])
+                                or DTYPE_BYTES[model_dtype],
+                                [arch.chunk(i) for i in range(arch.num_hidden_layers)])
         return cls(kv_cache_groups(specs), size, block_size, cache_dtype, kv_cache_dtype)
 
     @classmethod
@@ -105,6 +106,11 @@ class KVCacheLayout:
     @property
     def has_windows(self) -> bool:
         return any(g.window is not None for g in self.groups)
+
+    @property
+    def forgets(self) -> bool:
+        """Whether a group hands back blocks before its sequence ends (windows, chunks)."""
+        return any(g.window is not None or g.chunk is not None for g in self.groups)
 
     @property
     def group_size(self) -> int:

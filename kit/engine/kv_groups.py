@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kit.config import FULL, SLIDING
+from kit.config import CHUNKED, FULL, SLIDING
 from kit.engine.kv_specs import KVCacheSpec
 
 SIMILAR_BUCKETS = 1.5  # buckets within this ratio make one group size of the largest
@@ -36,8 +36,13 @@ class KVCacheGroup:
         return self.spec.sliding_window
 
     @property
+    def chunk(self) -> int | None:
+        """The layers' attention chunk (Llama 4's chunked local layers); None: not chunked."""
+        return getattr(self.spec, "attention_chunk_size", None)
+
+    @property
     def kind(self) -> str:
-        return FULL if self.window is None else SLIDING
+        return CHUNKED if self.chunk else FULL if self.window is None else SLIDING
 
     def blocks_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
         """The blocks vLLM reserves in this group for one request of max_model_len tokens."""

@@ -9,8 +9,8 @@ Every spec answers the same questions, in vLLM's names:
     bytes_per_token            what the layer stores for each token it keeps
     tokens_read                cached tokens a decode step reads for a context of n tokens
 
-A kind of layer is one class here (full attention, a sliding window today; vLLM also has
-chunked local attention, latent attention, Mamba states and layers sharing another's cache):
+A kind of layer is one class here (full attention, a sliding window, Llama 4's chunked local
+attention; vLLM also has latent attention, Mamba states and layers sharing another's cache):
 the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the block tables
 (`kit.engine.block_manager`) and the roofline ask the spec, never the model config.
 """
@@ -109,10 +109,40 @@ class SlidingWindowSpec(AttentionSpec):
         return f"window {self.sliding_window:,}"
 
 
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Attends to the earlier tokens of its own chunk of `attention_chunk_size` positions
+    (Llama 4's RoPE layers). A request reserves a chunk plus what it writes, min(C + in-flight
+    tokens, max_model_len), in blocks (`max_admission_blocks_per_request`: no block more, as
+    a chunk starts at a multiple of C, not mid-window)."""
+
+    attention_chunk_size: int
+    sliding_window = None
+
+    def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        tokens = min(self.attention_chunk_size + in_flight_tokens, max_model_len)
+        return math.ceil(tokens / self.block_size) * self.page_size_bytes
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """The tokens of the chunks before the next token's (`ChunkedLocalAttentionManager.
+        get_num_skipped_tokens`): 8 after 13 computed tokens in chunks of 8."""
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    def tokens_read(self, context_len: int) -> int:
+        return context_len - (context_len - 1) // self.attention_chunk_size \
+            * self.attention_chunk_size
+
+    def describe(self) -> str:
+        return f"chunk {self.attention_chunk_size:,}"
+
+
 def attention_specs(windows, block_size: int, num_kv_heads: int, head_size: int,
-                    dtype_bytes: int) -> tuple[AttentionSpec, ...]:
-    """A spec per layer, for layers whose windows are `windows` (None: full attention)."""
+                    dtype_bytes: int, chunks=None) -> tuple[AttentionSpec, ...]:
+    """A spec per layer, for layers whose windows are `windows` (None: full attention) and
+    whose chunks are `chunks` (None, or None for a layer: not chunked)."""
     shape = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_size,
              "dtype_bytes": dtype_bytes}
-    return tuple(FullAttentionSpec(**shape) if w is None else
-                 SlidingWindowSpec(**shape, sliding_window=w) for w in windows)
+    chunks = chunks or [None] * len(windows)
+    return tuple(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=c) if c else
+                 FullAttentionSpec(**shape) if w is None else
+                 SlidingWindowSpec(**shape, sliding_window=w) for w, c in zip(windows, chunks))

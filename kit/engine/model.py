@@ -41,7 +41,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(arch)
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
-        self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else MLP(arch)
+        self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else \
+            MLP(arch, arch.dense_intermediate_size)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
@@ -116,14 +117,28 @@ class Decoder(nn.Module):
 
     def rope_of(self, layer: int) -> tuple:
         """Layer `layer`'s RoPE: its base and Llama 3's scaling (on full layers only when the
-        sliding ones have their own base, as Gemma 3's local RoPE is unscaled)."""
+        sliding ones have their own base, as Gemma 3's local RoPE is unscaled); () for a layer
+        without RoPE (Llama 4's NoPE layers)."""
+        if not self.arch.uses_rope(layer):
+            return ()
         own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
         return self.arch.layer_rope_theta(layer), () if own_base else self.arch.rope_scaling
 
     def rope_tables(self, positions: torch.Tensor) -> dict:
-        """cos and sin at `positions` for each distinct RoPE among the layers (one or two)."""
+        """cos and sin at `positions` for each distinct RoPE among the layers (one or two);
+        for layers without RoPE, each token's query scale and None (`query_temperature`)."""
         kinds = {self.rope_of(i) for i in range(len(self.layers))}
-        return {kind: rope_cos_sin(positions, self.arch.head_dim, *kind) for kind in kinds}
+        return {kind: rope_cos_sin(positions, self.arch.head_dim, *kind) if kind
+                else (self.query_temperature(positions), None) for kind in kinds}
+
+    def query_temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Llama 4's temperature tuning of its NoPE layers' queries, [tokens] float32:
+        1 + attn_scale · ln(1 + floor((position + 1) / floor_scale)) (transformers'
+        `Llama4TextAttention`, vLLM's `_get_attn_scale`); None where the config turns it off."""
+        if self.arch.floor_scale is None:
+            return None
+        floor = torch.floor((positions.float() + 1.0) / self.arch.floor_scale)
+        return torch.log1p(floor) * self.arch.attn_scale + 1.0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -79,7 +79,7 @@ def versus_pr(profiles: dict[str, MemoryProfile]) -> VersusPR:
 # tiny's shape with 16 experts, 4 per token, each a quarter of tiny's MLP.
 EXPERTS_PAIR = ("tiny-moe", "tiny")
 # Models whose weights the chapter splits into experts and the rest.
-WEIGHTS_MODELS = ("tiny", "tiny-moe", "qwen3-30b-a3b", "mixtral-8x7b")
+WEIGHTS_MODELS = ("tiny", "tiny-moe", "qwen3-30b-a3b", "mixtral-8x7b", "llama-4-scout")
 
 
 def weights_split(arch: ModelConfig, dtype: str) -> dict:

@@ -23,11 +23,13 @@ from kit.vllm.model_specs import model_kv_specs
 @dataclass(frozen=True)
 class VLLMGroup:
     """One of vLLM's KV cache groups: its layers (by index), their sliding window (None: full
-    attention) and the blocks one max_model_len request reserves in it."""
+    attention) and the blocks one max_model_len request reserves in it; `chunk`: Llama 4's
+    chunked local layers' attention_chunk_size (None: not chunked)."""
 
     layers: tuple[int, ...]
     window: int | None
     blocks_per_request: int
+    chunk: int | None = None
 
 
 @dataclass
@@ -88,7 +90,8 @@ def vllm_groups(vllm_config, kv_cache_config) -> tuple[VLLMGroup, ...]:
         spec = group.kv_cache_spec
         blocks = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
         out.append(VLLMGroup(tuple(extract_layer_index(n) for n in group.layer_names),
-                             getattr(spec, "sliding_window", None), blocks))
+                             getattr(spec, "sliding_window", None), blocks,
+                             getattr(spec, "attention_chunk_size", None)))
     return tuple(out)
 
 

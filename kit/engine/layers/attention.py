@@ -11,7 +11,9 @@ runner binds each layer to its cache.
 Each layer holds its own scale, window and soft cap (`kit.engine.layers.prefill_attention`) as plain
 numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's query and key
 (`q_norm`, `k_norm`) before RoPE; gpt-oss's layers hold a sink logit per head (`sinks`, a
-parameter; None elsewhere) and bias their output projection.
+parameter; None elsewhere) and bias their output projection. Llama 4's layers attend within
+chunks (`chunk`) or, without RoPE, to every position with their queries scaled by position
+(temperature tuning), and norm q and k after RoPE without a weight (`rms_normalize`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
-from kit.engine.layers.norm import NORMS
+from kit.engine.layers.norm import NORMS, rms_normalize
 from kit.engine.layers.rotary import apply_rope
 from kit.engine.layers.prefill_attention import prefill_attention, sink_softmax, soft_cap
 
@@ -120,7 +122,7 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            max_context_len: int | None = None, scale: float | None = None,
                            window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None):
+                           sinks: torch.Tensor | None = None, chunk: int | None = None):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
 
     Keys and values are gathered through the block table, the first `max_context_len`
@@ -129,7 +131,9 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     every step. Positions past a sequence's context (the padding of its last block, or of its
     table) are masked out. With `window`, only the blocks holding the last `window` positions
     are read (`window_tables`: a fixed number, so a sliding layer's step stops growing once the
-    context passes its window), and older positions among them are masked. The scores are
+    context passes its window), and older positions among them are masked; with `chunk` (Llama
+    4), only the blocks of the new token's own chunk, positions before the chunk masked. The
+    scores are
     scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax runs in
     float32, with each head's sink logit (`sinks` [heads], gpt-oss) in its denominator.
     """
@@ -137,15 +141,16 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     _, _, block_size, kv_heads, head_dim = layer_cache.shape
     length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
-    blocks = window_blocks(window, block_size, width)
+    blocks = window_blocks(window or chunk, block_size, width)
+    first = first_visible(context_lens, window, chunk)
     if blocks * block_size < length:  # a window narrower than the context: read only it
-        tables, pos = window_tables(block_tables, context_lens, window, blocks, block_size)
+        tables, pos = window_tables(block_tables, first, blocks, block_size)
         length = pos.shape[1]
     k = layer_cache[0][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
     v = layer_cache[1][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
     visible = pos[:, :length] < context_lens[:, None]
-    if window is not None:
-        visible = visible & (pos[:, :length] >= context_lens[:, None] - window)
+    if first is not None:
+        visible = visible & (pos[:, :length] >= first[:, None])
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, per_kv_head, len,
     # dim] (the queries of one KV head side by side), which Inductor turns into one kernel that
@@ -179,14 +184,23 @@ def window_blocks(window: int | None, block_size: int, width: int) -> int:
     return min(width, (window + block_size - 2) // block_size + 1)
 
 
-def window_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
-                  blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `blocks` table entries per sequence that hold its window (from the block holding
-    position context_len - window, kept within the table), and the positions [seqs, blocks ×
+def first_visible(context_lens: torch.Tensor, window: int | None,
+                  chunk: int | None) -> torch.Tensor | None:
+    """The earliest position each sequence's new token (at context_len - 1) sees: the window's
+    first, or its chunk's first (a multiple of `chunk`); None: every position."""
+    if chunk is not None:
+        return (context_lens - 1) // chunk * chunk
+    return None if window is None else (context_lens - window).clamp(min=0)
+
+
+def window_tables(block_tables: torch.Tensor, first_pos: torch.Tensor, blocks: int,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `blocks` table entries per sequence that hold its window or chunk (from the block
+    holding position `first_pos`, kept within the table), and the positions [seqs, blocks ×
     block_size] they hold. A fixed number of blocks: a sliding layer's step reads the same
     bytes at any context."""
     width = block_tables.shape[1]
-    first = ((context_lens - window).clamp(min=0) // block_size).clamp(max=width - blocks)
+    first = (first_pos // block_size).clamp(max=width - blocks)
     entries = first[:, None] + torch.arange(blocks, device=block_tables.device)[None, :]
     offsets = torch.arange(block_size, device=block_tables.device)
     pos = (entries[:, :, None] * block_size + offsets).reshape(len(entries), -1)
@@ -204,6 +218,9 @@ class Attention(nn.Module):
         self.head_dim = arch.head_dim
         # per layer, plain numbers: compiled code sees constants
         self.scale, self.window = arch.attention_scale, arch.window(layer_idx)
+        self.chunk, self.rope = arch.chunk(layer_idx), arch.uses_rope(layer_idx)
+        # Llama 4: its RoPE layers' q and k RMS-normed without a weight, after RoPE
+        self.l2_norm_eps = arch.rms_norm_eps if arch.qk_l2_norm and self.rope else None
         self.softcap = arch.attn_logit_softcapping
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
@@ -218,13 +235,21 @@ class Attention(nn.Module):
             self.k_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+        """x [tokens, hidden]; `cos` and `sin` RoPE's at each token's position, or for a layer
+        without RoPE (Llama 4's NoPE layers) `cos` each token's query scale [tokens] (None:
+        none) and `sin` None (`kit.engine.model.Decoder.rope_tables`)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif cos is not None:  # Llama 4's temperature tuning of NoPE layers' queries
+            q = (q * cos[:, None, None]).to(q.dtype)
+        if self.l2_norm_eps is not None:
+            q, k = rms_normalize(q, self.l2_norm_eps), rms_normalize(k, self.l2_norm_eps)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -249,10 +274,10 @@ class Attention(nn.Module):
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap,
-                                              self.sinks)
+                                              self.sinks, self.chunk)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
         out = prefill_attention(per_seq(q), per_seq(k), per_seq(v), self.scale, self.window,
-                                self.softcap, self.sinks)
+                                self.softcap, self.sinks, self.chunk)
         return out.transpose(1, 2).reshape(q.shape)

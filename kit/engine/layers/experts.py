@@ -5,7 +5,9 @@ summed weighted by the router's probabilities.
     router     logits = x · gate.weightᵀ (+ gate.bias, gpt-oss)   [tokens, E]
     route      softmax over the E logits (float32), the k largest, renormalised to sum to 1
                where the config says so (`ModelConfig.norm_topk_prob`; Mixtral always);
-               gpt-oss ("topk_softmax"): the k largest logits, then the softmax over those k
+               gpt-oss ("topk_softmax"): the k largest logits, then the softmax over those k;
+               Llama 4 ("topk_sigmoid"): the k largest logits' sigmoids, each scaling the
+               token's input to its expert (not the output), plus a shared expert
     experts    expert e: down_e(act(gate_e · x) × up_e · x), its gate and up in one matrix
                (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], as vLLM's FusedMoE holds them);
                gpt-oss adds each expert's biases (`gate_up_proj_bias` [E, 2I], `down_proj_bias`
@@ -32,6 +34,7 @@ from torch import nn
 
 from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
+from kit.engine.layers.mlp import MLP
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool,
@@ -54,7 +57,16 @@ def route_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True,
     return top.float().softmax(-1), ids
 
 
-ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax}  # `Parts.experts` -> router
+def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False):
+    """("topk_sigmoid", Llama 4) -> the sigmoid (float32) of each token's k largest logits, not
+    normalised, and their ids [tokens, k] (transformers' `Llama4Router`, vLLM's
+    `Llama4MoE.custom_routing_function`)."""
+    top, ids = logits.topk(k, dim=-1)
+    return top.float().sigmoid(), ids
+
+
+ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax,  # `Parts.experts` -> router
+         "topk_sigmoid": route_topk_sigmoid}
 
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
@@ -150,6 +162,7 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if bias else None
         self.clamped = arch.parts.expert_act == "clamped_swiglu"
         self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
+        self.scale_input = arch.parts.experts_scale_input  # Llama 4: weight × x, not × expert(x)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -165,7 +178,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [tokens, H], each token's k experts `ids` and their `weights` [tokens, k] ->
-        Σ over its k experts of weight × expert(x), [tokens, H] in x's dtype."""
+        Σ over its k experts of weight × expert(x) (Llama 4: of expert(weight × x), the
+        weight in x's dtype as transformers rounds it), [tokens, H] in x's dtype."""
         tokens, k = ids.shape
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
@@ -178,18 +192,21 @@ class Experts(nn.Module):
 
             def products(rows, stacked, _):  # one grouped product over every expert's rows
                 return grouped_mm(rows, stacked.transpose(1, 2), ends)
+        rows, weight = x[token_of], weights.reshape(-1)[order, None]
+        if self.scale_input:
+            rows, weight = rows * weight.to(x.dtype), 1.0
         # (no name kept for the gate-and-up rows: eager code then frees them once activated)
-        hidden = self.act(self.biased(products(x[token_of], self.gate_up_proj, picked),
+        hidden = self.act(self.biased(products(rows, self.gate_up_proj, picked),
                                       self.gate_up_proj_bias, picked))
         out = self.biased(products(hidden, self.down_proj, picked), self.down_proj_bias, picked)
         summed = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        summed.index_add_(0, token_of, out.float() * weights.reshape(-1)[order, None])
+        summed.index_add_(0, token_of, out.float() * weight)
         return summed.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
-    """The MLP of an MoE layer: the router (`gate`, a matrix [E, H], biased for gpt-oss) and
-    the experts."""
+    """The MLP of an MoE layer: the router (`gate`, a matrix [E, H], biased for gpt-oss), the
+    experts, and (Llama 4) a shared expert every token runs, added to the routed ones' sum."""
 
     def __init__(self, arch: ModelConfig):
         super().__init__()
@@ -197,6 +214,8 @@ class SparseMoE(nn.Module):
         self.router = ROUTE[arch.parts.experts]
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.parts.expert_bias)
         self.experts = Experts(arch)
+        self.shared_expert = MLP(arch, arch.shared_expert_intermediate_size) \
+            if arch.parts.shared_expert else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k experts: (weights float32, ids), [tokens, k] each."""
@@ -208,7 +227,8 @@ class SparseMoE(nn.Module):
         return self.router(logits, self.top_k, self.renormalize, ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.route(x))
+        routed = self.experts(x, *self.route(x))
+        return routed if self.shared_expert is None else self.shared_expert(x) + routed
 
 
 def distinct_experts(ids: torch.Tensor) -> int:

@@ -11,6 +11,13 @@ import torch
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its last dim divided by its root mean square, in float32, no scale (Llama 4's
+    `Llama4TextL2Norm`, vLLM's RMSNorm without a weight)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, gemma: bool = False):
         super().__init__()

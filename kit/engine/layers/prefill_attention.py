@@ -1,5 +1,6 @@
 """What attention does to its scores besides q·k times a scale (chapters 01, 03–05): a sliding
 window that hides keys older than the last `window` positions (Mistral, Gemma 2 and 3, Qwen),
+chunks that hide keys outside the query's own chunk of positions (Llama 4),
 Gemma 2's soft-capping of the scores, and gpt-oss's sinks (one learned logit per head that
 joins the softmax's denominator, its weight then dropped: a head may attend to nothing).
 `prefill_attention` is the attention within each sequence: SDPA's fused kernel, but written out
@@ -43,14 +44,24 @@ def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
 
 
 def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """[queries, keys]: True where a query sees a key. Causal, and with `window` only the last
     `window` positions, the query's own included (transformers' sliding mask: key > query -
-    window; vLLM's too)."""
+    window; vLLM's too); with `chunk` only the keys of the query's own chunk of `chunk`
+    positions (Llama 4: transformers' `chunked_overlay`, key // chunk == query // chunk)."""
     keep = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
         keep = keep & (key_pos[None, :] > query_pos[:, None] - window)
+    if chunk is not None:
+        keep = keep & (key_pos[None, :] // chunk == query_pos[:, None] // chunk)
     return keep
+
+
+def earliest_key(query: int, window: int | None, chunk: int | None) -> int:
+    """The earliest position query position `query` can see."""
+    if chunk is not None:
+        return query // chunk * chunk
+    return 0 if window is None else max(0, query - window + 1)
 
 
 def query_chunk(num_seqs: int, heads: int, length: int, window: int | None,
@@ -71,14 +82,14 @@ def query_chunk(num_seqs: int, heads: int, length: int, window: int | None,
 
 def masked_attention(q, k, v, scale: float, first_query: int = 0, first_key: int = 0,
                      window: int | None = None, softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Queries at positions first_query.. against keys at first_key.. (q [seqs, heads, n, dim],
     k and v [seqs, kv_heads, m, dim]), causal and within `window`: SDPA with the mask, or,
     with `softcap` or `sinks` ([heads]), the scores written out (and capped), in float32 as is
-    their softmax (with the sinks)."""
+    their softmax (with the sinks); with `chunk`, within each query's chunk."""
     query_pos = torch.arange(first_query, first_query + q.shape[2], device=q.device)
     key_pos = torch.arange(first_key, first_key + k.shape[2], device=q.device)
-    mask = visible_keys(query_pos, key_pos, window)
+    mask = visible_keys(query_pos, key_pos, window, chunk)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
@@ -93,10 +104,12 @@ def masked_attention(q, k, v, scale: float, first_query: int = 0, first_key: int
 
 
 def prefill_attention(q, k, v, scale: float, window: int | None = None,
-                      softcap: float | None = None, sinks: torch.Tensor | None = None):
+                      softcap: float | None = None, sinks: torch.Tensor | None = None,
+                      chunk: int | None = None):
     """Causal attention within each sequence: q [seqs, heads, len, dim], k and v [seqs, kv_heads,
     len, dim] -> [seqs, heads, len, dim]. Full attention without a cap or sinks is SDPA's
-    causal kernel (memory linear in len); a window, a cap or sinks go through `masked_attention`, its queries in
+    causal kernel (memory linear in len); a window, a chunk (Llama 4), a cap or sinks go
+    through `masked_attention`, its queries in
     chunks (`query_chunk`) when the scores would pass MAX_SCORE_BYTES, each chunk against the
     keys from the first one its earliest query sees (a window's start) to its own last query.
     (The bound is the module's, not an argument: each argument with a default adds guards to
@@ -105,19 +118,20 @@ def prefill_attention(q, k, v, scale: float, window: int | None = None,
     Compiled code takes the whole score tensor, as before: a loop over a length Dynamo keeps
     symbolic (the CPU's compiled prefill) would pin that length. The prefills that reach the
     bound (chapter 04's on a GPU) run eagerly."""
-    if softcap is None and window is None and sinks is None:
+    if softcap is None and window is None and sinks is None and chunk is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     length = q.shape[2]
     rows = length if torch.compiler.is_compiling() else query_chunk(
-        q.shape[0], q.shape[1], length, window, MAX_SCORE_BYTES)
+        q.shape[0], q.shape[1], length, window or chunk, MAX_SCORE_BYTES)
     if rows >= length:
-        return masked_attention(q, k, v, scale, window=window, softcap=softcap, sinks=sinks)
+        return masked_attention(q, k, v, scale, window=window, softcap=softcap, sinks=sinks,
+                                chunk=chunk)
     chunks = []
     for start in range(0, length, rows):
         end = min(length, start + rows)
-        first = 0 if window is None else max(0, start - window + 1)
+        first = earliest_key(start, window, chunk)
         chunks.append(masked_attention(q[:, :, start:end], k[:, :, first:end],
                                        v[:, :, first:end], scale, start, first, window, softcap,
-                                       sinks))
+                                       sinks, chunk))
     return torch.cat(chunks, dim=2)
