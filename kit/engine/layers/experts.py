@@ -57,11 +57,12 @@ def route_topk_softmax(logits: torch.Tensor, k: int, renormalize: bool = True,
     return top.float().softmax(-1), ids
 
 
-def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False):
+def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False,
+                       ids: torch.Tensor | None = None):
     """("topk_sigmoid", Llama 4) -> the sigmoid (float32) of each token's k largest logits, not
     normalised, and their ids [tokens, k] (transformers' `Llama4Router`, vLLM's
-    `Llama4MoE.custom_routing_function`)."""
-    top, ids = logits.topk(k, dim=-1)
+    `Llama4MoE.custom_routing_function`). Given `ids`, those experts' logits instead."""
+    top, ids = logits.topk(k, dim=-1) if ids is None else (logits.gather(-1, ids), ids)
     return top.float().sigmoid(), ids
 
 
