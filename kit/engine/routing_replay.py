@@ -142,28 +142,37 @@ def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run,
 
 def explained_reference(model, prompt, fed, routing, got: torch.Tensor, flips: Flips):
     """One sequence's reference logits, routed by `routing`. The rerun that recorded it is
-    eager; a compiled step rounds otherwise and may flip a near-tie the rerun did not. So a
-    step the run's logits `got` miss by more than the tolerance is tried once more with the
-    other side of each near-tie (gap within the tolerance) at its position, one MoE layer at a
-    time, the layers after it routing as they then see. If one routing explains the step, the
-    reference takes that step's logits from it and `flips.explained` keeps (step, MoE layer,
-    gap); a step no near-tie explains stays off, and fails the check."""
-    ranked: list = []
-    with replaying(model, routing, flips, ranked):
-        ref = no_cache_logits(model, prompt, fed)
-    for step in off_steps(got, ref, flips.tolerance):
+    eager; a compiled step rounds otherwise and may flip a near-tie the rerun did not. So the
+    first step the run's logits `got` miss by more than the tolerance is tried once more with
+    the other side of each near-tie (gap within the tolerance) at its position, one MoE layer
+    at a time, the layers after it routing as they then see. If one routing explains the step,
+    it becomes the reference's from there on (the run's later steps read that token's keys and
+    values as it routed them), `flips.explained` keeps (step, MoE layer, gap), and the next
+    step missed is tried; a step no near-tie explains stays off, and fails the check."""
+    ref, ranked = routed_logits(model, prompt, fed, routing, flips)
+    steps = off_steps(got, ref, flips.tolerance)
+    while steps:
+        step = steps[0]
         position = len(prompt) - 1 + step
         for j, (top, gaps) in enumerate(ranked):
             if gaps[position] > flips.tolerance:
                 continue
             alt = across(routing, j, position, other_side(routing[j][position], top[position]))
-            with replaying(model, alt, Flips(flips.tolerance)):
-                logits = no_cache_logits(model, prompt, fed)[step]
-            if not off_steps(got[step:step + 1], logits[None], flips.tolerance):
-                ref[step] = logits
+            logits, alt_ranked = routed_logits(model, prompt, fed, alt, Flips(flips.tolerance))
+            if not off_steps(got[step:step + 1], logits[step:step + 1], flips.tolerance):
                 flips.explained.append((step, j, float(gaps[position])))
+                ref, ranked, routing = logits, alt_ranked, alt
                 break
+        steps = [s for s in off_steps(got, ref, flips.tolerance) if s > step]
     return ref
+
+
+def routed_logits(model, prompt, fed, routing, flips: Flips):
+    """The no-cache logits of one sequence routed by `routing`, and each MoE layer's top k + 1
+    and gaps at every position."""
+    ranked: list = []
+    with replaying(model, routing, flips, ranked):
+        return no_cache_logits(model, prompt, fed), ranked
 
 
 def across(routing: list[torch.Tensor], layer: int, position: int, other: torch.Tensor):
