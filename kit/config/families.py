@@ -44,6 +44,14 @@ class Parts:
     o_bias: bool = False
     expert_bias: bool = False
     expert_act: str = "gated"       # "gated": act(gate) × up; "clamped_swiglu": gpt-oss's
+    # Gemma 4 (kit.config.gemma4): V normed without a scale (`v_norm`), scores not divided by
+    # sqrt(head_dim) (`unscaled_scores`: the Q and K norms set their scale), each layer's
+    # output times a stored scalar (`layer_scalar`), and the config's KV-shared layers, K = V
+    # projections, wider global heads and per-layer embeddings (`gemma4`)
+    v_norm: bool = False
+    unscaled_scores: bool = False
+    layer_scalar: bool = False
+    gemma4: bool = False
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -64,6 +72,9 @@ FAMILIES = {
     "gemma3_text": Parts("Gemma3ForCausalLM", norm="gemma_rms", layer="sandwich",
                          scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
                          tie_word_embeddings=True),
+    "gemma4_text": Parts("Gemma4ForCausalLM", layer="sandwich", scale_embeddings=True,
+                         gelu="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True,
+                         v_norm=True, unscaled_scores=True, layer_scalar=True, gemma4=True),
     "qwen3_moe": Parts("Qwen3MoeForCausalLM", qk_norm=True, experts="softmax_topk"),
     "mixtral": Parts("MixtralForCausalLM", experts="softmax_topk", expert_names="mixtral"),
     "gpt_oss": Parts("GptOssForCausalLM", attention_bias=True, experts="topk_softmax",
@@ -108,6 +119,17 @@ CONFIG_DEFAULTS = {
                 "rms_norm_eps": 1e-5, "num_local_experts": 128, "num_experts_per_tok": 4,
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
 }
+# Gemma4TextConfig's defaults (its dataclass fields; global_head_dim is its __post_init__'s)
+CONFIG_DEFAULTS["gemma4_text"] = {
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "sliding_window": 512, "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "attention_k_eq_v": False,
+    "use_double_wide_mlp": False, "enable_moe_block": False, "global_head_dim": 512,
+    "rms_norm_eps": 1e-6, "num_key_value_heads": 4}
+# Gemma 4's RoPE when config.json gives no `rope_parameters` (Gemma4TextConfig.__post_init__)
+GEMMA4_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+               FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                      "rope_theta": 1_000_000.0}}
 # Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
 GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 # gpt-oss's RoPE when config.json gives no `rope_parameters`: its base, and YaRN's scaling
@@ -131,7 +153,7 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
     "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "llama4",
-                           "llama4_text", "jamba", "gemma4_text", "glm4_moe", "minimax_m2"),
+                           "llama4_text", "jamba", "glm4_moe", "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
                                                "bamba", "nemotron_h", "zamba2", "lfm2"),
 }
@@ -168,6 +190,11 @@ MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_inte
 # transformers nor vLLM: inert).
 GPT_OSS_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "swiglu_alpha",
                 "swiglu_limit", "experts_per_token", "initial_context_length"}
+# The keys Gemma 4 adds (kit.config.gemma4); its MoE keys are read to be refused by name.
+GEMMA4_KEYS = {"global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers",
+               "attention_k_eq_v", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+               "use_double_wide_mlp", "enable_moe_block", "per_layer_config", "num_experts",
+               "top_k_experts", "moe_intermediate_size"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -196,6 +223,8 @@ def check_keys(hf: dict, name: str) -> None:
             "key from config.json to size or run it so.")
     if hf["model_type"] == "gpt_oss":
         known |= GPT_OSS_KEYS
+    elif hf["model_type"] == "gemma4_text":
+        known |= GEMMA4_KEYS
     elif FAMILIES[hf["model_type"]].experts:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)

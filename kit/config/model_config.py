@@ -10,6 +10,7 @@ from kit.config.data import MODELS_DIR, known_names
 from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
                                  check_keys, experts_of, layer_types, mlp_kinds, rope,
                                  with_family_defaults)
+from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
 from kit.errors import ConfigError
 
@@ -50,6 +51,16 @@ class ModelConfig:
     norm_topk_prob: bool = False   # the k picked probabilities renormalised to sum to 1
     swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: gate·σ(alpha·gate)·(up + 1),
     swiglu_limit: float | None = None  # gate clamped above at limit, up to ±limit
+    # Gemma 4 (kit.config.gemma4): full layers' head_dim and KV heads (None: the model's), the
+    # last layers reading an earlier layer's cache, V = K's projection on full layers, the
+    # per-layer embeddings' width (0: none) and table rows, the KV-shared layers' MLPs doubled
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    num_kv_shared_layers: int = 0
+    attention_k_eq_v: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -71,8 +82,10 @@ class ModelConfig:
             act = FAMILIES[family].gelu
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
-        kinds = layer_types(hf, family, name)
-        theta, local_theta, scaling = rope(hf, name)
+        gemma4 = gemma4_fields(hf, name) if FAMILIES[family].gemma4 else {}
+        kinds = gemma4.get("layer_types") or layer_types(hf, family, name)
+        theta, local_theta, scaling = (gemma4["rope_theta"], gemma4["rope_local_base_freq"],
+                                       gemma4["rope_scaling"]) if gemma4 else rope(hf, name)
         return cls(
             name=name, family=family,
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
@@ -95,6 +108,8 @@ class ModelConfig:
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             mlp_kinds=mlp_kinds(hf, family, name), **experts_of(hf, family, name),
+            **{k: v for k, v in gemma4.items() if k not in ("layer_types", "rope_theta",
+                                                          "rope_local_base_freq", "rope_scaling")},
         )
 
     @classmethod
@@ -142,18 +157,57 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What the scores q·k are multiplied by before the softmax."""
+        """What the scores q·k are multiplied by before the softmax (1 for Gemma 4, whose Q
+        and K norms set the scale)."""
+        if self.parts.unscaled_scores:
+            return 1.0
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head size (Gemma 4's full layers have their own)."""
+        return self.global_head_dim if self.global_head_dim and \
+            self.attention_kind(layer) == FULL else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Layer `layer`'s KV heads (Gemma 4's full layers may have their own)."""
+        return self.num_global_key_value_heads if self.num_global_key_value_heads and \
+            self.attention_kind(layer) == FULL else self.num_key_value_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends to: itself, or for Gemma 4's
+        last num_kv_shared_layers the last earlier layer of its kind (vLLM's
+        `kv_sharing_target_layer_name`)."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.attention_kind(layer)
+        return max(i for i in range(first) if self.attention_kind(i) == kind)
+
+    def has_kv_cache(self, layer: int) -> bool:
+        """Whether layer `layer` writes keys and values of its own (a KV cache spec)."""
+        return self.kv_source(layer) == layer
+
+    def has_v_proj(self, layer: int) -> bool:
+        """Whether layer `layer` projects V (Gemma 4's attention_k_eq_v full layers reuse K's)."""
+        return self.has_kv_cache(layer) and not (
+            self.attention_k_eq_v and self.attention_kind(layer) == FULL)
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width (Gemma 4's use_double_wide_mlp doubles the
+        KV-shared layers')."""
+        wide = self.use_double_wide_mlp and not self.has_kv_cache(layer)
+        return self.intermediate_size * (2 if wide else 1)
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP routes each token through experts."""
         return bool(self.mlp_kinds) and self.mlp_kinds[layer] == "experts"
 
-    def attention_weights(self) -> int:
-        """Elements of one layer's Q, K, V and O projections."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
-            self.num_key_value_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h
+    def attention_weights(self, layer: int = 0) -> int:
+        """Elements of layer `layer`'s Q, K, V and O projections (no K or V where it reads
+        another layer's cache, no V where V is K's)."""
+        d = self.layer_head_dim(layer)
+        h, q, kv = self.hidden_size, self.num_attention_heads * d, self.layer_kv_heads(layer) * d
+        return h * q + (self.has_kv_cache(layer) + self.has_v_proj(layer)) * h * kv + q * h
 
     def expert_weights(self) -> int:
         """Elements of one expert's three matrices (gate, up, down)."""
@@ -163,19 +217,22 @@ class ModelConfig:
         """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router and
         every expert (`active`: only the num_experts_per_tok experts one token runs)."""
         if not self.is_moe(layer):
-            return 3 * self.hidden_size * self.intermediate_size
+            return 3 * self.hidden_size * self.layer_intermediate_size(layer)
         experts = self.num_experts_per_tok if active else self.num_experts
         return self.num_experts * self.hidden_size + experts * self.expert_weights()
 
     def layer_weights(self, layer: int = 0, active: bool = False) -> int:
-        """Elements of layer `layer`'s matrices: the Q, K, V and O projections and its MLP's."""
-        return self.attention_weights() + self.mlp_weights(layer, active)
+        """Elements of layer `layer`'s matrices: the Q, K, V and O projections, its MLP's and
+        Gemma 4's per-layer input gate and projection."""
+        return self.attention_weights(layer) + self.mlp_weights(layer, active) \
+            + 2 * self.hidden_size * self.hidden_size_per_layer_input
 
     def linear_weights(self, active: bool = False) -> int:
-        """Elements of every matrix: every layer's, and the LM head (the embedding table itself
-        when tied); `active`: only those one token is multiplied by (its experts, not all)."""
+        """Elements of every matrix: every layer's, the LM head (the embedding table itself
+        when tied) and Gemma 4's projection of the embeddings to every layer's input; `active`:
+        only those one token is multiplied by (its experts, not all)."""
         return sum(self.layer_weights(i, active) for i in range(self.num_hidden_layers)) \
-            + self.vocab_size * self.hidden_size
+            + self.vocab_size * self.hidden_size + self.hidden_size * self.per_layer_width
 
     def experts_parameters(self) -> int:
         """Elements of every expert of every MoE layer (the routers not included)."""
@@ -194,10 +251,24 @@ class ModelConfig:
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
             + h * self.parts.o_bias if self.attention_bias else 0
         embed = 0 if self.tie_word_embeddings else self.vocab_size * h
-        norms = len(self.parts.layer_norms) * h + 2 * self.head_dim * self.parts.qk_norm
+        norms = sum(len(self.parts.layer_norms) * h + self.layer_head_dim(i) * self.parts.qk_norm
+                    * (1 + self.has_kv_cache(i)) for i in range(self.num_hidden_layers))
         sinks = self.num_attention_heads * self.parts.sinks
-        return self.linear_weights() + embed + self.experts_biases() + h \
-            + self.num_hidden_layers * (bias + norms + sinks)
+        return self.linear_weights() + embed + self.experts_biases() + h + norms \
+            + self.num_hidden_layers * (bias + sinks) + self.per_layer_parameters()
+
+    @property
+    def per_layer_width(self) -> int:
+        """Gemma 4's per-layer inputs of every layer side by side: layers × their width."""
+        return self.num_hidden_layers * self.hidden_size_per_layer_input
+
+    def per_layer_parameters(self) -> int:
+        """Gemma 4's per-layer embeddings beside their matrices: the table, the norm of the
+        projected inputs and each layer's norm of its projection."""
+        if not self.hidden_size_per_layer_input:
+            return 0
+        return self.vocab_size_per_layer_input * self.per_layer_width \
+            + self.hidden_size_per_layer_input + self.num_hidden_layers * self.hidden_size
 
     def experts_biases(self) -> int:
         """Elements of the routers' and experts' biases (gpt-oss's): per MoE layer one per
@@ -208,8 +279,9 @@ class ModelConfig:
         return per_layer * sum(map(self.is_moe, range(self.num_hidden_layers)))
 
     def hf_dict(self) -> dict:
-        """The config.json that vLLM or transformers would read for this architecture."""
-        return {
+        """The config.json that vLLM or transformers would read for this architecture (Gemma
+        4's RoPE in `rope_parameters` alone: `gemma4_keys`)."""
+        keys = {
             "architectures": [self.parts.architecture], "model_type": self.family,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -224,6 +296,11 @@ class ModelConfig:
                else {}),
             **self.attention_keys(), **self.experts_keys(),
         }
+        if self.parts.gemma4:
+            keys = {k: v for k, v in keys.items() if k not in ("rope_theta", "rope_scaling",
+                                                               "hidden_act")}
+            keys.update(gemma4_keys(self))
+        return keys
 
     def experts_keys(self) -> dict:
         """config.json's keys for the experts, as the family's published configs write them."""

@@ -1,0 +1,86 @@
+"""Gemma 4's text decoder (`gemma4_text`) read and sized: its parameters counted as
+transformers builds them, its KV-shared layers given no cache, its wider full layers their own
+spec, its mixture of experts and inconsistent keys refused by name. (Its grid against vLLM's
+own sizing is test_vllm's, its parity with transformers test_checkpoint's.)"""
+import json
+
+import pytest
+import torch
+
+from kit.config import MODELS_DIR, ModelConfig
+from kit.engine.kv_cache import KVCacheLayout, kv_cache_config
+from kit.errors import ConfigError
+
+
+def transformers_parameters(folder) -> int:
+    """transformers' own count of the folder's Gemma4ForCausalLM, built on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma4TextConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma4", "gemma-4-e2b"])
+def test_the_parameter_count_is_transformers(tmp_path, name):
+    arch = ModelConfig.load(name)
+    (tmp_path / "config.json").write_text(json.dumps(arch.hf_dict()))
+    assert arch.num_parameters() == transformers_parameters(tmp_path)
+
+
+def test_a_config_transformers_wrote_reads_its_per_layer_config(tmp_path):
+    """transformers 5.19 writes the global heads as `per_layer_config`, not global_head_dim."""
+    transformers = pytest.importorskip("transformers")
+    arch = ModelConfig.load("tiny-gemma4")
+    transformers.Gemma4TextConfig(**{k: v for k, v in arch.hf_dict().items()
+                                     if k != "model_type"}).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "global_head_dim" not in written and written["per_layer_config"]
+    again = ModelConfig.load(str(tmp_path / "config.json"))
+    assert (again.global_head_dim, again.num_global_key_value_heads) == (128, 1)
+    assert again.num_parameters() == arch.num_parameters() == transformers_parameters(tmp_path)
+    written["per_layer_config"]["0"] = {"head_dim": 128}
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    with pytest.raises(ConfigError, match="per_layer_config"):
+        ModelConfig.load(str(tmp_path / "config.json"))
+
+
+def test_kv_shared_layers_read_their_source_and_have_no_spec():
+    arch = ModelConfig.load("tiny-gemma4")  # s s F s | s F, the last two shared
+    assert [arch.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
+    assert [arch.has_v_proj(i) for i in range(6)] == [True, True, False, True, False, False]
+    assert [arch.layer_head_dim(i) for i in range(6)] == [64, 64, 128, 64, 64, 128]
+    layout = KVCacheLayout.for_model(arch, 32, "bfloat16")
+    assert sorted(i for g in layout.groups for i in g.layers) == [0, 1, 2, 3]
+    assert layout.shared == ((4, 3), (5, 2)) and layout.num_layers == 6
+    assert layout.place(5) == layout.place(2) and layout.place(4) == layout.place(3)
+    # sliding: 2 heads × 64, full: 1 × 128: one page size, the same block
+    assert {s.page_size_bytes for s in layout.specs} == {32 * 2 * 128 * 2}
+    # the shared layers cost no bytes: 4 layers' pages per token, not 6
+    assert layout.bytes_per_token == 4 * 2 * 128 * 2
+
+
+def test_wider_global_heads_make_the_sliding_blocks_wider():
+    """gemma-4-e2b: 1 KV head of 256 on sliding layers, of 512 on full ones; vLLM makes one
+    page size by giving the sliding layers twice the tokens per block."""
+    layout = KVCacheLayout.for_model(ModelConfig.load("gemma-4-e2b"), 32, "bfloat16")
+    blocks = {g.window: g.spec.block_size for g in layout.groups}
+    assert blocks == {512: 64, None: 32} and len(layout.groups) == 5
+    assert all(len(g.layers) == 3 for g in layout.groups)
+    config = kv_cache_config(layout, 2**30, 4096, "CPU", 2048)
+    assert config.num_blocks == 2**30 // (3 * 32 * 2 * 512 * 2)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+      "moe_intermediate_size": 64}, "enable_moe_block"),
+    ({"num_experts": 8}, "mixture-of-experts keys"),
+    ({"num_kv_shared_layers": 6}, "num_kv_shared_layers"),
+    ({"altup_num_inputs": 4}, "altup_num_inputs"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
+     "proportional"),
+])
+def test_what_the_kit_does_not_build_is_refused_by_name(change, message):
+    hf = json.loads((MODELS_DIR / "tiny-gemma4.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**hf, **change}, "g4")
