@@ -56,7 +56,8 @@ def test_every_family_builds_the_parameters_its_checkpoints_hold(family):
     make are the ones the checkpoint layout and the parameter count expect."""
     arch = small(family)
     model = build_model(arch, "float32", "cpu")
-    assert set(layout(arch)) == {name for name, _ in model.named_parameters()}
+    assert set(layout(arch)) == {name for name, _ in model.named_parameters()} | {
+        name for name, _ in model.named_buffers()}  # (Gemma 4's layer_scalar)
     assert weights_bytes(model) == arch.num_parameters() * 4
 
 

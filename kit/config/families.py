@@ -195,6 +195,11 @@ GEMMA4_KEYS = {"global_head_dim", "num_global_key_value_heads", "num_kv_shared_l
                "attention_k_eq_v", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
                "use_double_wide_mlp", "enable_moe_block", "per_layer_config", "num_experts",
                "top_k_experts", "moe_intermediate_size"}
+# Keys other families read that Gemma 4's classes do not (its RoPE is `rope_parameters`, its
+# scores unscaled and uncapped, its activation `hidden_activation`): refused, not ignored.
+GEMMA4_UNREAD = {"rope_theta", "rope_scaling", "rope_local_base_freq", "query_pre_attn_scalar",
+                 "attn_logit_softcapping", "use_sliding_window", "max_window_layers",
+                 "sliding_window_pattern", "hidden_act"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -224,7 +229,7 @@ def check_keys(hf: dict, name: str) -> None:
     if hf["model_type"] == "gpt_oss":
         known |= GPT_OSS_KEYS
     elif hf["model_type"] == "gemma4_text":
-        known |= GEMMA4_KEYS
+        known = (known | GEMMA4_KEYS) - GEMMA4_UNREAD
     elif FAMILIES[hf["model_type"]].experts:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kit.config.data import MODELS_DIR, known_names
-from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, SLIDING, Parts, check_family,
-                                 check_keys, experts_of, layer_types, mlp_kinds, rope,
+from kit.config.families import (ACTIVATIONS, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING, Parts,
+                                 check_family, check_keys, experts_of, layer_types, mlp_kinds, rope,
                                  with_family_defaults)
 from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
@@ -297,8 +297,7 @@ class ModelConfig:
             **self.attention_keys(), **self.experts_keys(),
         }
         if self.parts.gemma4:
-            keys = {k: v for k, v in keys.items() if k not in ("rope_theta", "rope_scaling",
-                                                               "hidden_act")}
+            keys = {k: v for k, v in keys.items() if k not in GEMMA4_UNREAD}
             keys.update(gemma4_keys(self))
         return keys
 

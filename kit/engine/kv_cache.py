@@ -170,6 +170,11 @@ class KVCacheLayout:
                 f"attention gives sliding-window layers blocks in multiples of "
                 f"{CPU_KERNEL_BLOCK}, and sizes the whole cache at that block")
 
+    def describe_blocks(self) -> str:
+        """Each group's tokens per block and bytes per token, for messages."""
+        return ", ".join(f"{g.spec.block_size}-token blocks of {g.spec.bytes_per_token} B per "
+                         f"token (layers {list(g.layers)})" for g in self.groups)
+
     def formula(self) -> str:
         """The bytes-per-block arithmetic written out with this layout's numbers."""
         layers = f"{self.group_size} layers"
@@ -182,8 +187,17 @@ class KVCacheLayout:
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
-        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j."""
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j. Layers whose heads
+        differ (Gemma 4's full layers) read and write the same bytes per token in their own
+        shape; groups of different block sizes are not run by the kit's decode."""
         spec = self.groups[0].spec
+        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.groups}) > 1:
+            raise ConfigError(
+                "the kit's paged decode runs one block size with the same bytes per token in "
+                f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "
+                "makes their pages one size by giving layers of smaller pages more tokens per "
+                "block). Sizing is exact; to decode, choose heads whose keys and values take "
+                "the same bytes on every layer")
         return (self.group_size, 2, num_blocks, self.block_size, spec.num_kv_heads,
                 spec.head_size)
 

@@ -11,11 +11,12 @@ from kit.engine.layers.linear import Linear
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelConfig):
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        inter = arch.layer_intermediate_size(layer_idx)  # Gemma 4 doubles some layers'
         # The gate and up projections in one matrix (vLLM's MergedColumnParallelLinear).
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, arch.hidden_size, bias=False)
         self.gelu = arch.hidden_act != "silu"
         # "gelu" is the exact (erf) GELU in transformers; the others are the tanh approximation
         self.approximate = "none" if arch.hidden_act == "gelu" else "tanh"

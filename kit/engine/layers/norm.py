@@ -30,4 +30,10 @@ class RMSNorm(nn.Module):
         self.weight.fill_(0.0 if self.gemma else 1.0)
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a scale, in float32 (Gemma 4's `v_norm`, `with_scale=False`)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 NORMS = {"rms": RMSNorm, "gemma_rms": partial(RMSNorm, gemma=True)}
