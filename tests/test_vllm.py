@@ -221,6 +221,16 @@ TODAYS = {"qwen3": {}, "gemma2": {"sliding_window": 16}, "gemma3_text": {"slidin
 TODAYS |= {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                          "mlp_only_layers": [2], "norm_topk_prob": False},
            "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2}}
+# Gemma 4: the last 2 layers KV-shared (a sliding one reading layer 3's cache, a full one layer
+# 2's), K = V on full layers with 1 KV head of 64 beside the sliding layers' 2 of 32, per-layer
+# embeddings, the shared layers' MLPs doubled, proportional RoPE on full layers (its defaults)
+TODAYS |= {"gemma4_text": {
+    "sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention",
+                                          "full_attention"] * 2,
+    "num_kv_shared_layers": 2, "attention_k_eq_v": True, "global_head_dim": 64,
+    "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256, "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -243,8 +253,8 @@ def todays_checkpoint(family: str, folder, writer: str):
 @pytest.mark.parametrize("writer", ["kit", "transformers"])
 @pytest.mark.parametrize("family", TODAYS)
 def test_todays_families_token_for_token(tmp_path, family, writer):
-    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE or Mixtral
-    checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
+    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE, Mixtral or
+    Gemma 4 checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
     window of 16: the kit's 24 greedy tokens are vLLM's, every one."""
     from kit.engine.decode import batch_for_run, generate, make_prompts
     from kit.engine.kv_cache import KVCacheLayout
