@@ -84,3 +84,19 @@ def test_what_the_kit_does_not_build_is_refused_by_name(change, message):
     hf = json.loads((MODELS_DIR / "tiny-gemma4.json").read_text())
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict({**hf, **change}, "g4")
+
+
+def test_a_decode_steps_bytes_count_the_shared_layers_reads_not_their_writes():
+    """The roofline: KV-shared layers write nothing but read their source's cache again, and
+    the per-layer table is read only at the batch's rows, as an untied embedding is."""
+    from kit.measure.roofline import decode_step_cost
+    arch = ModelConfig.load("tiny-gemma4")
+    layout = KVCacheLayout.for_model(arch, 32, "bfloat16")
+    cost = decode_step_cost(arch, 2, layout.specs, [100, 200])
+    per_token = 2 * 128 * 2  # every layer's K and V: 2 × 64 or 1 × 128, bfloat16
+    assert cost.kv_write_bytes == 2 * 4 * per_token
+    # sliding layers 0, 1, 3 and 4 (reading 3) see 64 tokens, full 2 and 5 (reading 2) all
+    assert cost.kv_read_bytes == per_token * (4 * 2 * 63 + 2 * (99 + 199))
+    table = arch.vocab_size_per_layer_input * arch.per_layer_width
+    assert cost.weight_bytes == 2 * (arch.num_parameters() - table + 2 * arch.per_layer_width
+                                     + 2 * arch.hidden_size)
