@@ -505,30 +505,39 @@ def transformers_gemma4(folder, **changes):
 
 
 def spread_gemma4(folder):
-    """`spread` for Gemma 4, whose norms and layer scalars hold the scale itself."""
+    """`spread` for Gemma 4, whose norms, layer scalars and router scales hold the scale
+    itself."""
     gen = torch.Generator().manual_seed(0)
 
     def change(tensors):
         for name, t in tensors.items():
             noise = torch.randn(t.shape, generator=gen)
-            if name.endswith(("norm.weight", "layer_scalar")):
+            if t.dim() == 1:  # norms, layer scalars, the router's scales
                 tensors[name] = 1.0 + 0.3 * noise
             elif "embed" in name:
                 tensors[name] = noise
             else:
                 gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
-                tensors[name] = gain * noise / t.shape[1] ** 0.5
+                tensors[name] = gain * noise / t.shape[-1] ** 0.5
     edit_tensors(folder, change)
     return folder
 
 
-@pytest.mark.parametrize("strategy", ["eager", "eager_summed"])
-def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy):
+# Gemma 4's mixture of experts (gemma-4-26B-A4B's kind): 8 experts, 2 per token, beside every
+# layer's dense MLP, the router's scales spread away from 1
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+              "moe_intermediate_size": 48}
+
+
+@pytest.mark.parametrize("strategy,changes", [("eager", {}), ("eager_summed", {}),
+                                              ("eager", GEMMA4_MOE)])
+def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy, changes):
     """On a checkpoint transformers wrote: prefill of 3 prompts of 33 tokens, then every paged
     decode step (prompts of 5, 30 and 37, 6 steps), float32 within 1e-4 of the largest logit;
-    the KV-shared layers read their source layer's paged cache."""
-    folder = transformers_gemma4(tmp_path / "g4")
+    the KV-shared layers read their source layer's paged cache; dense, and with experts."""
+    folder = transformers_gemma4(tmp_path / "g4", **changes)
     model = kit_model(folder)
+    assert sum(layer.moe is not None for layer in model.layers) == (6 if changes else 0)
     assert [layer.self_attn.split for layer in model.layers] == [(256, 128, 128)] * 2 + [
         (512, 128)] + [(256, 128, 128)] + [(256,), (512,)]
     got, expected = kit_and_reference_logits(folder, prompt_ids(GEMMA4_CASE))

@@ -1,6 +1,6 @@
 """Gemma 4's text decoder (`gemma4_text`) read and sized: its parameters counted as
-transformers builds them, its KV-shared layers given no cache, its wider full layers their own
-spec, its mixture of experts and inconsistent keys refused by name. (Its grid against vLLM's
+transformers builds them (its mixture of experts too), its KV-shared layers given no cache, its
+wider full layers their own spec, inconsistent or unknown keys refused by name. (Its grid against vLLM's
 own sizing is test_vllm's, its parity with transformers test_checkpoint's.)"""
 import json
 
@@ -71,9 +71,25 @@ def test_wider_global_heads_make_the_sliding_blocks_wider():
     assert config.num_blocks == 2**30 // (3 * 32 * 2 * 512 * 2)
 
 
+def test_its_mixture_of_experts_is_counted_as_transformers_counts_it(tmp_path):
+    """Every layer: the dense MLP, the router (projection, input scale, per-expert scale), the
+    experts and three more norms."""
+    hf = json.loads((MODELS_DIR / "tiny-gemma4.json").read_text())
+    hf.update(enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=64)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    arch = ModelConfig.load(str(tmp_path / "config.json"))
+    assert all(map(arch.is_moe, range(6))) and arch.num_experts_per_tok == 4
+    assert arch.num_parameters() == transformers_parameters(tmp_path)
+    assert arch.experts_parameters() == 6 * 16 * 3 * 256 * 64
+    assert arch.active_parameters() == arch.num_parameters() - 6 * 12 * 3 * 256 * 64
+    assert ModelConfig.from_dict(arch.hf_dict(), "again").num_parameters() == \
+        arch.num_parameters()
+
+
 @pytest.mark.parametrize("change,message", [
-    ({"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
-      "moe_intermediate_size": 64}, "enable_moe_block"),
+    ({"enable_moe_block": True, "num_experts": 8, "top_k_experts": 9,
+      "moe_intermediate_size": 64}, "top_k_experts no larger"),
+    ({"enable_moe_block": True}, "enable_moe_block needs"),
     ({"num_experts": 8}, "mixture-of-experts keys"),
     ({"num_kv_shared_layers": 6}, "num_kv_shared_layers"),
     ({"altup_num_inputs": 4}, "altup_num_inputs"),

@@ -231,6 +231,10 @@ TODAYS |= {"gemma4_text": {
     "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
     "vocab_size_per_layer_input": 256, "use_double_wide_mlp": True,
     "final_logit_softcapping": 30.0}}
+# and its mixture of experts: 8 experts, 2 per token, beside every layer's dense MLP
+TODAYS |= {"gemma4_text_moe": {**TODAYS["gemma4_text"], "model_type": "gemma4_text",
+                               "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                               "moe_intermediate_size": 32}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -264,7 +268,7 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     arch = kit.config.ModelConfig.load(str(folder))
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (
         "sliding_window" in TODAYS[family])
-    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6}.get(family, 0)
+    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6, "gemma4_text_moe": 6}.get(family, 0)
     assert sum(arch.is_moe(i) for i in range(6)) == moe_layers
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)

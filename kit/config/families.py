@@ -74,7 +74,8 @@ FAMILIES = {
                          tie_word_embeddings=True),
     "gemma4_text": Parts("Gemma4ForCausalLM", layer="sandwich", scale_embeddings=True,
                          gelu="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True,
-                         v_norm=True, unscaled_scores=True, layer_scalar=True, gemma4=True),
+                         v_norm=True, unscaled_scores=True, layer_scalar=True, gemma4=True,
+                         experts="softmax_topk"),  # where enable_moe_block (kit.config.gemma4)
     "qwen3_moe": Parts("Qwen3MoeForCausalLM", qk_norm=True, experts="softmax_topk"),
     "mixtral": Parts("MixtralForCausalLM", experts="softmax_topk", expert_names="mixtral"),
     "gpt_oss": Parts("GptOssForCausalLM", attention_bias=True, experts="topk_softmax",

@@ -16,7 +16,8 @@ vLLM 0.32 (vllm/model_executor/models/gemma4.py) builds it. Plain data and check
 - `use_double_wide_mlp`: the KV-shared layers' MLPs are twice `intermediate_size`.
 - RoPE per kind: sliding layers the default, full layers "proportional" (only the first
   partial_rotary_factor of each head's frequencies turn; the rest stay 0).
-- Its mixture of experts (`enable_moe_block`, the 26B-A4B) is refused by name.
+- Its mixture of experts (`enable_moe_block`, the 26B-A4B): every layer's dense MLP runs
+  beside routed experts (`gemma4_experts`).
 """
 from __future__ import annotations
 
@@ -74,17 +75,6 @@ def gemma4_rope(hf: dict, name: str) -> tuple[float, float, tuple]:
 
 def gemma4_fields(hf: dict, name: str) -> dict:
     """`ModelConfig`'s Gemma 4 fields from config.json (its defaults filled in)."""
-    if hf.get("enable_moe_block"):
-        raise ConfigError(
-            f"model {name!r}: enable_moe_block=True (Gemma 4's mixture of experts, a dense MLP "
-            "beside experts routed by a scaled RMS-normed router, as in gemma-4-26B-A4B) is not "
-            "built by the kit's decoder yet; its dense Gemma 4 sizes are (enable_moe_block "
-            "false, num_experts, top_k_experts and moe_intermediate_size null)")
-    moe = {k: hf[k] for k in ("num_experts", "top_k_experts", "moe_intermediate_size")
-           if hf.get(k) is not None}
-    if moe:
-        raise ConfigError(f"model {name!r}: {moe} are Gemma 4's mixture-of-experts keys, read "
-                          "only with enable_moe_block, which the kit does not build")
     if hf.get("attention_bias"):
         raise ConfigError(f"model {name!r}: attention_bias=True is not built for gemma4_text "
                           "(its published sizes have none)")
@@ -95,6 +85,9 @@ def gemma4_fields(hf: dict, name: str) -> dict:
         raise ConfigError(f"model {name!r}: num_kv_shared_layers={shared!r} must leave, before "
                           f"the shared layers, a layer of each kind they read; layers {kinds}")
     head_dim, kv_heads = global_attention(hf, kinds, name)
+    experts = gemma4_experts(hf, name)
+    if experts:
+        experts["mlp_kinds"] = ("experts",) * n
     full_theta, local_theta, scaling = gemma4_rope(hf, name)
     return {"layer_types": tuple(kinds), "global_head_dim": head_dim,
             "num_global_key_value_heads": kv_heads, "num_kv_shared_layers": shared,
@@ -103,7 +96,30 @@ def gemma4_fields(hf: dict, name: str) -> dict:
             "vocab_size_per_layer_input": hf["vocab_size_per_layer_input"],
             "use_double_wide_mlp": bool(hf["use_double_wide_mlp"]),
             "rope_theta": full_theta, "rope_local_base_freq": local_theta,
-            "rope_scaling": scaling}
+            "rope_scaling": scaling, **experts}
+
+
+def gemma4_experts(hf: dict, name: str) -> dict:
+    """Its mixture of experts (`enable_moe_block`, gemma-4-26B-A4B) as `ModelConfig` holds it
+    ({} without): every layer's dense MLP runs beside `num_experts` experts of
+    `moe_intermediate_size`, `top_k_experts` per token, their probabilities renormalised (and
+    scaled per expert by the router). transformers builds the block on `enable_moe_block`,
+    vLLM on `num_experts` being set: the kit needs the keys to agree."""
+    keys = ("num_experts", "top_k_experts", "moe_intermediate_size")
+    num, top_k, size = (hf.get(k) for k in keys)
+    if not hf.get("enable_moe_block"):
+        if any(v is not None for v in (num, top_k, size)):
+            raise ConfigError(f"model {name!r}: {dict(zip(keys, (num, top_k, size)))} are "
+                              "Gemma 4's mixture-of-experts keys, which transformers reads only "
+                              "with enable_moe_block and vLLM whenever num_experts is set: "
+                              "set enable_moe_block true, or the three null")
+        return {}
+    if not all(isinstance(v, int) and v > 0 for v in (num, top_k, size)) or top_k > num:
+        raise ConfigError(f"model {name!r}: enable_moe_block needs positive whole "
+                          f"num_experts, top_k_experts no larger and moe_intermediate_size; "
+                          f"config.json has {num!r}, {top_k!r}, {size!r}")
+    return {"num_experts": num, "num_experts_per_tok": top_k, "moe_intermediate_size": size,
+            "norm_topk_prob": True}
 
 
 def gemma4_keys(arch) -> dict:
@@ -114,7 +130,10 @@ def gemma4_keys(arch) -> dict:
             "attention_k_eq_v": arch.attention_k_eq_v,
             "hidden_size_per_layer_input": arch.hidden_size_per_layer_input,
             "vocab_size_per_layer_input": arch.vocab_size_per_layer_input,
-            "use_double_wide_mlp": arch.use_double_wide_mlp, "enable_moe_block": False,
+            "use_double_wide_mlp": arch.use_double_wide_mlp,
+            "enable_moe_block": bool(arch.num_experts),
+            **({"num_experts": arch.num_experts, "top_k_experts": arch.num_experts_per_tok,
+                "moe_intermediate_size": arch.moe_intermediate_size} if arch.num_experts else {}),
             "sliding_window": arch.sliding_window, "layer_types": list(arch.layer_types),
             "final_logit_softcapping": arch.final_logit_softcapping,
             "rope_parameters": {

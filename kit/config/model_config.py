@@ -83,6 +83,8 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
         gemma4 = gemma4_fields(hf, name) if FAMILIES[family].gemma4 else {}
+        moe = {"mlp_kinds": gemma4.pop("mlp_kinds", ())} if FAMILIES[family].gemma4 else {
+            "mlp_kinds": mlp_kinds(hf, family, name), **experts_of(hf, family, name)}
         kinds = gemma4.get("layer_types") or layer_types(hf, family, name)
         theta, local_theta, scaling = (gemma4["rope_theta"], gemma4["rope_local_base_freq"],
                                        gemma4["rope_scaling"]) if gemma4 else rope(hf, name)
@@ -107,7 +109,7 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
-            mlp_kinds=mlp_kinds(hf, family, name), **experts_of(hf, family, name),
+            **moe,
             **{k: v for k, v in gemma4.items() if k not in ("layer_types", "rope_theta",
                                                           "rope_local_base_freq", "rope_scaling")},
         )
@@ -219,7 +221,9 @@ class ModelConfig:
         if not self.is_moe(layer):
             return 3 * self.hidden_size * self.layer_intermediate_size(layer)
         experts = self.num_experts_per_tok if active else self.num_experts
-        return self.num_experts * self.hidden_size + experts * self.expert_weights()
+        dense = 3 * self.hidden_size * self.layer_intermediate_size(layer) \
+            if self.parts.gemma4 else 0  # Gemma 4's dense MLP beside its experts
+        return self.num_experts * self.hidden_size + experts * self.expert_weights() + dense
 
     def layer_weights(self, layer: int = 0, active: bool = False) -> int:
         """Elements of layer `layer`'s matrices: the Q, K, V and O projections, its MLP's and
@@ -255,7 +259,14 @@ class ModelConfig:
                     * (1 + self.has_kv_cache(i)) for i in range(self.num_hidden_layers))
         sinks = self.num_attention_heads * self.parts.sinks
         return self.linear_weights() + embed + self.experts_biases() + h + norms \
-            + self.num_hidden_layers * (bias + sinks) + self.per_layer_parameters()
+            + self.num_hidden_layers * (bias + sinks) + self.per_layer_parameters() \
+            + self.gemma4_router_parameters()
+
+    def gemma4_router_parameters(self) -> int:
+        """Gemma 4's MoE layers' vectors: the router's input scale (H) and per-expert scale
+        (E), and the three norms around the experts (3 H)."""
+        moe = sum(map(self.is_moe, range(self.num_hidden_layers))) if self.parts.gemma4 else 0
+        return moe * (4 * self.hidden_size + self.num_experts)
 
     @property
     def per_layer_width(self) -> int:
@@ -302,8 +313,9 @@ class ModelConfig:
         return keys
 
     def experts_keys(self) -> dict:
-        """config.json's keys for the experts, as the family's published configs write them."""
-        if not self.num_experts:
+        """config.json's keys for the experts, as the family's published configs write them
+        (Gemma 4's: `gemma4_keys`)."""
+        if not self.num_experts or self.parts.gemma4:
             return {}
         keys = {"num_experts_per_tok": self.num_experts_per_tok}
         if self.family == "mixtral":

@@ -56,6 +56,8 @@ CONVERSIONS = {
 
 def conversion(arch: ModelConfig, kit_name: str):
     """The (to kit, to checkpoint) pair for parameter `kit_name`, None when stored as it is."""
+    if arch.parts.gemma4 and kit_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return (lambda t: t, lambda p: p)  # stacked as the kit stacks them: rows per expert
     if arch.parts.expert_names != "gpt_oss":
         return None
     return CONVERSIONS.get(kit_name.partition(".mlp.")[2])
@@ -82,8 +84,8 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
         parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn.", i))
-        mlp = dense_mlp_tensors if not arch.is_moe(i) else stacked_experts_tensors \
-            if arch.parts.expert_names == "gpt_oss" else experts_tensors
+        mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
+            stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
@@ -106,6 +108,24 @@ def gemma4_layer_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
                 [(f"{hf}per_layer_projection.weight", (h, p))],
             f"{kit}per_layer.post_per_layer_input_norm.weight":
                 [(f"{hf}post_per_layer_input_norm.weight", (h,))]})
+    if arch.is_moe(int(kit.split(".")[1])):
+        parts.update(gemma4_moe_tensors(arch, kit, hf))
+    return parts
+
+
+def gemma4_moe_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A Gemma 4 MoE layer's router (`router.proj`, `router.scale`, `router.per_expert_scale`),
+    its experts as transformers stacks them ([E, 2I, H] gate rows then up rows, [E, H, I]: the
+    kit's own layout) and the three norms around them."""
+    h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    parts = {f"{kit}moe.gate.weight": [(f"{hf}router.proj.weight", (e, h))],
+             f"{kit}moe.scale": [(f"{hf}router.scale", (h,))],
+             f"{kit}moe.per_expert_scale": [(f"{hf}router.per_expert_scale", (e,))],
+             f"{kit}moe.experts.gate_up_proj": [(f"{hf}experts.gate_up_proj", (e, 2 * inter, h))],
+             f"{kit}moe.experts.down_proj": [(f"{hf}experts.down_proj", (e, h, inter))]}
+    for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
+                 "post_feedforward_layernorm_2"):
+        parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
     return parts
 
 

@@ -20,6 +20,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.experts import SparseMoE
+from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
@@ -42,7 +43,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(arch)
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
-        self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else MLP(arch, layer_idx)
+        moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
+        self.mlp = SparseMoE(arch) if moe else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
@@ -78,13 +80,23 @@ class Gemma4Layer(SandwichLayer):
         self.layer_idx = layer_idx
         self.per_layer = PerLayerGate(arch) if arch.hidden_size_per_layer_input else None
         self.register_buffer("layer_scalar", torch.ones(1))
+        self.moe = None
+        if arch.is_moe(layer_idx):  # experts beside the dense MLP, each output normed
+            self.moe = Gemma4MoE(arch)
+            self.pre_feedforward_layernorm_2 = make_norm(arch)
+            self.post_feedforward_layernorm_1 = make_norm(arch)
+            self.post_feedforward_layernorm_2 = make_norm(arch)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
         handed_on, per_layer_inputs = extra
         attn = self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta, handed_on)
         x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(
+                self.moe(x, self.pre_feedforward_layernorm_2(x)))
+        x = x + self.post_feedforward_layernorm(mlp)
         if self.per_layer is not None:
             x = x + self.per_layer(x, per_layer_inputs[:, self.layer_idx])
         return x * self.layer_scalar
@@ -200,6 +212,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
         owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, RMSNorm):
             owner.reset_parameters()
+        elif name.endswith(("moe.scale", "per_expert_scale")):  # Gemma 4's router: 1
+            p.fill_(1.0)
         elif name.endswith("bias"):  # ".bias", and the experts' "_bias"
             p.zero_()
         else:
