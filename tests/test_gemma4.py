@@ -116,3 +116,25 @@ def test_a_decode_steps_bytes_count_the_shared_layers_reads_not_their_writes():
     table = arch.vocab_size_per_layer_input * arch.per_layer_width
     assert cost.weight_bytes == 2 * (arch.num_parameters() - table + 2 * arch.per_layer_width
                                      + 2 * arch.hidden_size)
+
+
+def test_the_issues_measured_line_for_its_gemma4_checkpoint():
+    """Issue 34's float32 gemma4_text checkpoint (6 layers, the last 2 KV-shared, K = V, a
+    global head of 128 beside sliding heads of 2 × 64, per-layer embeddings; test_checkpoint's
+    GEMMA4): vLLM gave the two shared layers no spec, made 3 sliding groups and 1 full of one
+    layer each, and logged 2,048 blocks, "14,979 tokens, 58.51x" for 64 MiB at block 32 and
+    max_model_len 256. The kit's arithmetic gives the same."""
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    arch = ModelConfig.from_dict({
+        "model_type": "gemma4_text", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "global_head_dim": 128, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": 1000, "vocab_size": 1000, "sliding_window": 8,
+        "layer_types": kinds}, "issue-34")
+    layout = KVCacheLayout.for_model(arch, 32, "float32", device="cpu")
+    assert sorted(g.layers for g in layout.groups) == [(0,), (1,), (2,), (3,)]
+    config = kv_cache_config(layout, 64 * 2**20, 256, "CPU", 2048)
+    assert config.num_blocks == 2048
+    assert config.log_line() == ("CPU KV cache size: 14,979 tokens, Maximum concurrency for "
+                                 "256 tokens per request: 58.51x")

@@ -21,6 +21,12 @@ def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
         if FAMILIES[family].experts else {}
     if family == "gpt_oss":  # its experts are intermediate_size wide
         del experts["moe_intermediate_size"]
+    if family == "gemma4_text":  # its experts beside the dense MLPs, its own keys; K = V on
+        # the full layer, whose head is wider, per-layer embeddings
+        experts = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                   "moe_intermediate_size": 32, "sliding_window": 8, "global_head_dim": 32,
+                   "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                   "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 101}
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
