@@ -530,7 +530,8 @@ GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
 
 
 @pytest.mark.parametrize("strategy,changes", [("eager", {}), ("eager_summed", {}),
-                                              ("eager", GEMMA4_MOE)])
+                                              ("eager", GEMMA4_MOE)],
+                         ids=["dense-eager", "dense-summed", "experts-eager"])
 def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy, changes):
     """On a checkpoint transformers wrote: prefill of 3 prompts of 33 tokens, then every paged
     decode step (prompts of 5, 30 and 37, 6 steps), float32 within 1e-4 of the largest logit;

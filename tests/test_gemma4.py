@@ -93,6 +93,8 @@ def test_its_mixture_of_experts_is_counted_as_transformers_counts_it(tmp_path):
     ({"num_experts": 8}, "mixture-of-experts keys"),
     ({"num_kv_shared_layers": 6}, "num_kv_shared_layers"),
     ({"altup_num_inputs": 4}, "altup_num_inputs"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    ({"rope_theta": 1e6}, "rope_theta"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
      "proportional"),
 ])
@@ -138,3 +140,9 @@ def test_the_issues_measured_line_for_its_gemma4_checkpoint():
     assert config.num_blocks == 2048
     assert config.log_line() == ("CPU KV cache size: 14,979 tokens, Maximum concurrency for "
                                  "256 tokens per request: 58.51x")
+
+
+def test_vision_only_bidirectional_attention_leaves_the_text_decoder_causal():
+    hf = json.loads((MODELS_DIR / "tiny-gemma4.json").read_text())
+    arch = ModelConfig.from_dict({**hf, "use_bidirectional_attention": "vision"}, "g4")
+    assert arch == ModelConfig.from_dict(hf, "g4")

@@ -196,6 +196,9 @@ GEMMA4_KEYS = {"global_head_dim", "num_global_key_value_heads", "num_kv_shared_l
                "attention_k_eq_v", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
                "use_double_wide_mlp", "enable_moe_block", "per_layer_config", "num_experts",
                "top_k_experts", "moe_intermediate_size"}
+# Gemma 4's "vision": image tokens attend to each other both ways, text tokens causally (the
+# text decoder never sees an image token).
+GEMMA4_FIXED = {"use_bidirectional_attention": ("vision",)}
 # Keys other families read that Gemma 4's classes do not (its RoPE is `rope_parameters`, its
 # scores unscaled and uncapped, its activation `hidden_activation`): refused, not ignored.
 GEMMA4_UNREAD = {"rope_theta", "rope_scaling", "rope_local_base_freq", "query_pre_attn_scalar",
@@ -235,7 +238,8 @@ def check_keys(hf: dict, name: str) -> None:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)
     fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
-                   not in FIXED_KEYS[k])
+                   not in FIXED_KEYS[k] + GEMMA4_FIXED.get(k, ()) * (hf["model_type"] ==
+                                                                    "gemma4_text"))
     if unknown or fixed:
         raise ConfigError(
             f"model {name!r}: config.json has " + "; ".join(

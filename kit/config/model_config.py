@@ -183,7 +183,11 @@ class ModelConfig:
         if layer < first:
             return layer
         kind = self.attention_kind(layer)
-        return max(i for i in range(first) if self.attention_kind(i) == kind)
+        sources = [i for i in range(first) if self.attention_kind(i) == kind]
+        if not sources:  # (a layer pattern changed after reading, `with_layer_pattern`)
+            raise ConfigError(f"model {self.name!r}: KV-shared layer {layer} ({kind}) has no "
+                              f"earlier {kind} layer among the first {first} to read from")
+        return sources[-1]
 
     def has_kv_cache(self, layer: int) -> bool:
         """Whether layer `layer` writes keys and values of its own (a KV cache spec)."""
