@@ -529,9 +529,10 @@ GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
               "moe_intermediate_size": 48}
 
 
-@pytest.mark.parametrize("strategy,changes", [("eager", {}), ("eager_summed", {}),
-                                              ("eager", GEMMA4_MOE)],
-                         ids=["dense-eager", "dense-summed", "experts-eager"])
+@pytest.mark.parametrize("strategy,changes", [
+    pytest.param("eager", {}, id="dense-eager"), pytest.param("eager_summed", {}, id="dense-summed"),
+    pytest.param("eager", GEMMA4_MOE, id="experts-eager"),
+    pytest.param("guard_free", {}, id="dense-guard-free", marks=pytest.mark.slow)])  # ~50 s
 def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy, changes):
     """On a checkpoint transformers wrote: prefill of 3 prompts of 33 tokens, then every paged
     decode step (prompts of 5, 30 and 37, 6 steps), float32 within 1e-4 of the largest logit;
