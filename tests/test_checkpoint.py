@@ -489,3 +489,86 @@ def test_transformers_reads_the_written_config_as_the_kit_does(family, changes):
     assert getattr(hf, "sliding_window", None) == arch.sliding_window
     assert list(getattr(hf, "layer_types", None) or arch.layer_types) == list(arch.layer_types)
     assert rope == arch.layer_rope_theta(0)
+
+
+# Gemma 4's text decoder as transformers builds it (Gemma4TextConfig's keywords): the last 2 of
+# 6 layers KV-shared (layer 4 reads layer 3's cache, layer 5 layer 2's), full layers with K = V
+# and 1 KV head of 128 beside the sliding layers' 2 of 64 (the same bytes per token, so the
+# kit's paged decode runs them at one block size), per-layer embeddings, the shared layers'
+# MLPs doubled, proportional RoPE on full layers, capped logits, a window of 8.
+GEMMA4 = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+          "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+          "vocab_size_per_layer_input": 1000, "use_double_wide_mlp": True, "vocab_size": 1000,
+          "sliding_window": 8, "final_logit_softcapping": 30.0,
+          "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}
+GEMMA4_CASE = "gemma4-kv-shared-k-eq-v-per-layer-inputs"
+WINDOWED.append(GEMMA4_CASE)  # prompts several windows long, as for CASES with windows
+
+
+def transformers_gemma4(folder, **changes):
+    """A Gemma4ForCausalLM written by transformers (float32), its weights then spread."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, **changes},
+                                           architectures=["Gemma4ForCausalLM"])
+    transformers.Gemma4ForCausalLM(config).float().save_pretrained(folder)
+    return spread_gemma4(folder)
+
+
+def spread_gemma4(folder):
+    """`spread` for Gemma 4, whose norms, layer scalars and router scales hold the scale
+    itself."""
+    gen = torch.Generator().manual_seed(0)
+
+    def change(tensors):
+        for name, t in tensors.items():
+            noise = torch.randn(t.shape, generator=gen)
+            if t.dim() == 1:  # norms, layer scalars, the router's scales
+                tensors[name] = 1.0 + 0.3 * noise
+            elif "embed" in name:
+                tensors[name] = noise
+            else:
+                gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+                tensors[name] = gain * noise / t.shape[-1] ** 0.5
+    edit_tensors(folder, change)
+    return folder
+
+
+# Gemma 4's mixture of experts (gemma-4-26B-A4B's kind): 8 experts, 2 per token, beside every
+# layer's dense MLP, the router's scales spread away from 1
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+              "moe_intermediate_size": 48}
+
+
+@pytest.mark.parametrize("strategy,changes", [
+    pytest.param("eager", {}, id="dense-eager"), pytest.param("eager_summed", {}, id="dense-summed"),
+    pytest.param("eager", GEMMA4_MOE, id="experts-eager"),
+    pytest.param("guard_free", {}, id="dense-guard-free", marks=pytest.mark.slow)])  # ~50 s
+def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy, changes):
+    """On a checkpoint transformers wrote: prefill of 3 prompts of 33 tokens, then every paged
+    decode step (prompts of 5, 30 and 37, 6 steps), float32 within 1e-4 of the largest logit;
+    the KV-shared layers read their source layer's paged cache; dense, and with experts."""
+    folder = transformers_gemma4(tmp_path / "g4", **changes)
+    model = kit_model(folder)
+    assert sum(layer.moe is not None for layer in model.layers) == (6 if changes else 0)
+    assert [layer.self_attn.split for layer in model.layers] == [(256, 128, 128)] * 2 + [
+        (512, 128)] + [(256, 128, 128)] + [(256,), (512,)]
+    got, expected = kit_and_reference_logits(folder, prompt_ids(GEMMA4_CASE))
+    error = relative_error(got, expected)
+    print(f"{GEMMA4_CASE}: prefill max |kit - transformers| / max |logit| = {error:.2e}")
+    assert error <= kit.config.TOLERANCE["float32"]
+    assert decode_error(folder, GEMMA4_CASE, strategy) <= kit.config.TOLERANCE["float32"]
+
+
+def test_gemma4_checkpoints_the_kit_writes_are_transformers(tmp_path):
+    """`kit checkpoint` on a Gemma 4 config (per-layer embeddings, layer scalars, no K or V on
+    the shared layers, no V on K = V layers): transformers loads every tensor and agrees."""
+    written = transformers_gemma4(tmp_path / "g4")
+    folder = write_random_checkpoint(str(written / "config.json"), tmp_path / "kit", 3)
+    spread_gemma4(folder)
+    assert set(load_file(folder / "model.safetensors")) == set(
+        load_file(written / "model.safetensors"))
+    got, expected = kit_and_reference_logits(folder, prompt_ids(GEMMA4_CASE))
+    assert relative_error(got, expected) <= kit.config.TOLERANCE["float32"]

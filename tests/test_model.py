@@ -23,6 +23,12 @@ def small(family="llama", heads=4, kv_heads=2, head_dim=16, **extra):
         del experts["moe_intermediate_size"]
     if family == "llama4_text":  # so are Llama 4's, counted as num_local_experts
         experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    if family == "gemma4_text":  # its experts beside the dense MLPs, its own keys; K = V on
+        # the full layer, whose head is wider, per-layer embeddings
+        experts = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                   "moe_intermediate_size": 32, "sliding_window": 8, "global_head_dim": 32,
+                   "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+                   "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 101}
     return ModelConfig.from_dict({
         "model_type": family, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
@@ -58,7 +64,8 @@ def test_every_family_builds_the_parameters_its_checkpoints_hold(family):
     make are the ones the checkpoint layout and the parameter count expect."""
     arch = small(family)
     model = build_model(arch, "float32", "cpu")
-    assert set(layout(arch)) == {name for name, _ in model.named_parameters()}
+    assert set(layout(arch)) == {name for name, _ in model.named_parameters()} | {
+        name for name, _ in model.named_buffers()}  # (Gemma 4's layer_scalar)
     assert weights_bytes(model) == arch.num_parameters() * 4
 
 

@@ -228,6 +228,20 @@ TODAYS |= {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_interm
 TODAYS |= {"llama4_text": {"attention_chunk_size": 32, "interleave_moe_layer_step": 2,
                            "num_local_experts": 4, "num_experts_per_tok": 1,
                            "intermediate_size_mlp": 192}}
+# Gemma 4: the last 2 layers KV-shared (a sliding one reading layer 3's cache, a full one layer
+# 2's), K = V on full layers with 1 KV head of 64 beside the sliding layers' 2 of 32, per-layer
+# embeddings, the shared layers' MLPs doubled, proportional RoPE on full layers (its defaults)
+TODAYS |= {"gemma4_text": {
+    "sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention",
+                                          "full_attention"] * 2,
+    "num_kv_shared_layers": 2, "attention_k_eq_v": True, "global_head_dim": 64,
+    "num_global_key_value_heads": 1, "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256, "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0}}
+# and its mixture of experts: 8 experts, 2 per token, beside every layer's dense MLP
+TODAYS |= {"gemma4_text_moe": {**TODAYS["gemma4_text"], "model_type": "gemma4_text",
+                               "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                               "moe_intermediate_size": 32}}
 
 
 def todays_checkpoint(family: str, folder, writer: str):
@@ -250,8 +264,8 @@ def todays_checkpoint(family: str, folder, writer: str):
 @pytest.mark.parametrize("writer", ["kit", "transformers"])
 @pytest.mark.parametrize("family", TODAYS)
 def test_todays_families_token_for_token(tmp_path, family, writer):
-    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE or Mixtral
-    checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
+    """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE, Mixtral or
+    Gemma 4 checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
     window of 16: the kit's 24 greedy tokens are vLLM's, every one."""
     from kit.engine.decode import batch_for_run, generate, make_prompts
     from kit.engine.kv_cache import KVCacheLayout
@@ -261,7 +275,8 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     arch = kit.config.ModelConfig.load(str(folder))
     assert arch.checkpoint and any(arch.window(i) for i in range(6)) == (
         "sliding_window" in TODAYS[family])
-    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6, "llama4_text": 3}.get(family, 0)
+    moe_layers = {"qwen3_moe": 5, "mixtral": 6, "gpt_oss": 6, "llama4_text": 3,
+                  "gemma4_text_moe": 6}.get(family, 0)
     assert sum(arch.is_moe(i) for i in range(6)) == moe_layers
     lengths, steps = [5, 30, 41], 23
     prompts = make_prompts(lengths, arch.vocab_size, 5)
@@ -502,7 +517,9 @@ def test_the_kits_config_json_gives_vllm_the_specs_of_the_published_one(publishe
             sizer = VLLMSizer.build(folder, block_size=32, max_model_len=256, dtype="bfloat16")
             specs.append(sizer.specs)
         assert specs[0] == specs[1], name
-        assert len(specs[0]) == ModelConfig.load(name).num_hidden_layers
+        arch = ModelConfig.load(name)  # Gemma 4's KV-shared layers have no spec
+        assert len(specs[0]) == sum(map(arch.has_kv_cache, range(arch.num_hidden_layers)))
+        assert len(specs[0]) < arch.num_hidden_layers or not arch.num_kv_shared_layers
 
 
 def test_a_tight_budget_comes_back_as_vllms_refusal(published):

@@ -55,6 +55,14 @@ class Parts:
     experts_scale_input: bool = False
     mlp_name: str = "mlp"
     rope_pairs: str = "halves"
+    # Gemma 4 (kit.config.gemma4): V normed without a scale (`v_norm`), scores not divided by
+    # sqrt(head_dim) (`unscaled_scores`: the Q and K norms set their scale), each layer's
+    # output times a stored scalar (`layer_scalar`), and the config's KV-shared layers, K = V
+    # projections, wider global heads and per-layer embeddings (`gemma4`)
+    v_norm: bool = False
+    unscaled_scores: bool = False
+    layer_scalar: bool = False
+    gemma4: bool = False
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -75,6 +83,10 @@ FAMILIES = {
     "gemma3_text": Parts("Gemma3ForCausalLM", norm="gemma_rms", layer="sandwich",
                          scale_embeddings=True, gelu="gelu_pytorch_tanh", qk_norm=True,
                          tie_word_embeddings=True),
+    "gemma4_text": Parts("Gemma4ForCausalLM", layer="sandwich", scale_embeddings=True,
+                         gelu="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True,
+                         v_norm=True, unscaled_scores=True, layer_scalar=True, gemma4=True,
+                         experts="softmax_topk"),  # where enable_moe_block (kit.config.gemma4)
     "qwen3_moe": Parts("Qwen3MoeForCausalLM", qk_norm=True, experts="softmax_topk"),
     "mixtral": Parts("MixtralForCausalLM", experts="softmax_topk", expert_names="mixtral"),
     "gpt_oss": Parts("GptOssForCausalLM", attention_bias=True, experts="topk_softmax",
@@ -135,6 +147,17 @@ CONFIG_DEFAULTS = {
                     "attention_chunk_size": 8192, "attn_temperature_tuning": True,
                     "floor_scale": 8192, "attn_scale": 0.1},
 }
+# Gemma4TextConfig's defaults (its dataclass fields; global_head_dim is its __post_init__'s)
+CONFIG_DEFAULTS["gemma4_text"] = {
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "sliding_window": 512, "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "attention_k_eq_v": False,
+    "use_double_wide_mlp": False, "enable_moe_block": False, "global_head_dim": 512,
+    "rms_norm_eps": 1e-6, "num_key_value_heads": 4}
+# Gemma 4's RoPE when config.json gives no `rope_parameters` (Gemma4TextConfig.__post_init__)
+GEMMA4_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+               FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                      "rope_theta": 1_000_000.0}}
 # Gemma 3's RoPE bases when config.json gives neither `rope_theta` nor `rope_parameters`
 GEMMA3_ROPE = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
 # gpt-oss's RoPE when config.json gives no `rope_parameters`: its base, and YaRN's scaling
@@ -159,8 +182,8 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
-    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "gemma4_text",
-                           "glm4_moe", "minimax_m2"),
+    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe",
+                           "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
                                                "bamba", "nemotron_h", "zamba2", "lfm2"),
 }
@@ -205,6 +228,19 @@ LLAMA4_KEYS = {"num_local_experts", "num_experts_per_tok", "intermediate_size_ml
                "floor_scale", "attn_scale"}
 # The multimodal wrappers whose text decoder the kit builds under its own model_type.
 TEXT_DECODERS = {"llama4": "llama4_text"}
+# The keys Gemma 4 adds (kit.config.gemma4); its MoE keys are read to be refused by name.
+GEMMA4_KEYS = {"global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers",
+               "attention_k_eq_v", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+               "use_double_wide_mlp", "enable_moe_block", "per_layer_config", "num_experts",
+               "top_k_experts", "moe_intermediate_size"}
+# Gemma 4's "vision": image tokens attend to each other both ways, text tokens causally (the
+# text decoder never sees an image token).
+GEMMA4_FIXED = {"use_bidirectional_attention": ("vision",)}
+# Keys other families read that Gemma 4's classes do not (its RoPE is `rope_parameters`, its
+# scores unscaled and uncapped, its activation `hidden_activation`): refused, not ignored.
+GEMMA4_UNREAD = {"rope_theta", "rope_scaling", "rope_local_base_freq", "query_pre_attn_scalar",
+                 "attn_logit_softcapping", "use_sliding_window", "max_window_layers",
+                 "sliding_window_pattern", "hidden_act"}
 ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "gelu_new"}
 
 
@@ -241,11 +277,14 @@ def check_keys(hf: dict, name: str) -> None:
         known |= GPT_OSS_KEYS
     elif hf["model_type"] == "llama4_text":
         known |= LLAMA4_KEYS
+    elif hf["model_type"] == "gemma4_text":
+        known = (known | GEMMA4_KEYS) - GEMMA4_UNREAD
     elif FAMILIES[hf["model_type"]].experts:
         known |= MOE_KEYS
     unknown = sorted(k for k in hf if k not in known)
     fixed = sorted(f"{k}={hf[k]!r}" for k in FIXED_KEYS if hf.get(k, FIXED_KEYS[k][0])
-                   not in FIXED_KEYS[k])
+                   not in FIXED_KEYS[k] + GEMMA4_FIXED.get(k, ()) * (hf["model_type"] ==
+                                                                    "gemma4_text"))
     if unknown or fixed:
         raise ConfigError(
             f"model {name!r}: config.json has " + "; ".join(

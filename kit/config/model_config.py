@@ -7,17 +7,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kit.config.data import MODELS_DIR, known_names
-from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, SLIDING, Parts,
-                                 check_family,
-                                 check_keys, experts_of, layer_types, mlp_kinds, rope,
+from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
+                                 Parts, check_family, check_keys, experts_of, layer_types,
+                                 mlp_kinds, rope,
                                  with_family_defaults)
+from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
 from kit.config.llama4 import llama4_fields, llama4_keys
+from kit.config.parameter_counts import ParameterCounts
 from kit.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(ParameterCounts):
     """The decoder's architecture, read from a Hugging Face style config.json."""
 
     name: str
@@ -60,6 +62,16 @@ class ModelConfig:
     attn_scale: float | None = None   # floor((pos + 1) / floor_scale)); None: not scaled
     intermediate_size_mlp: int | None = None  # the dense layers' width, where not intermediate_size
     shared_expert_intermediate_size: int = 0  # a shared expert's width on MoE layers; 0: none
+    # Gemma 4 (kit.config.gemma4): full layers' head_dim and KV heads (None: the model's), the
+    # last layers reading an earlier layer's cache, V = K's projection on full layers, the
+    # per-layer embeddings' width (0: none) and table rows, the KV-shared layers' MLPs doubled
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    num_kv_shared_layers: int = 0
+    attention_k_eq_v: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -81,9 +93,14 @@ class ModelConfig:
             act = FAMILIES[family].gelu
         if act not in ACTIVATIONS:
             raise ConfigError(f"model {name!r}: hidden_act {act!r} is not one of {sorted(ACTIVATIONS)}")
-        own = llama4_fields(hf, name) if family == "llama4_text" else {}
+        own = own_fields(hf, family, name)
         kinds = own.pop("layer_types", None) or layer_types(hf, family, name)
-        theta, local_theta, scaling = rope(hf, name)
+        theta, local_theta, scaling = (own.pop("rope_theta"), own.pop("rope_local_base_freq"),
+                                       own.pop("rope_scaling")) if "rope_theta" in own \
+            else rope(hf, name)
+        moe = {"mlp_kinds": own.pop("mlp_kinds", ())} if FAMILIES[family].gemma4 else {
+            "mlp_kinds": own.pop("mlp_kinds", None) or mlp_kinds(hf, family, name),
+            **experts_of(hf, family, name)}
         return cls(
             name=name, family=family,
             hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
@@ -105,8 +122,7 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcapping=hf.get("attn_logit_softcapping"),
             final_logit_softcapping=hf.get("final_logit_softcapping"),
-            mlp_kinds=own.pop("mlp_kinds", None) or mlp_kinds(hf, family, name),
-            **experts_of(hf, family, name), **own,
+            **moe, **own,
         )
 
     @classmethod
@@ -162,7 +178,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What the scores q·k are multiplied by before the softmax."""
+        """What the scores q·k are multiplied by before the softmax (1 for Gemma 4, whose Q
+        and K norms set the scale)."""
+        if self.parts.unscaled_scores:
+            return 1.0
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -171,81 +190,53 @@ class ModelConfig:
         intermediate_size)."""
         return self.intermediate_size_mlp or self.intermediate_size
 
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head size (Gemma 4's full layers have their own)."""
+        return self.global_head_dim if self.global_head_dim and \
+            self.attention_kind(layer) == FULL else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Layer `layer`'s KV heads (Gemma 4's full layers may have their own)."""
+        return self.num_global_key_value_heads if self.num_global_key_value_heads and \
+            self.attention_kind(layer) == FULL else self.num_key_value_heads
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends to: itself, or for Gemma 4's
+        last num_kv_shared_layers the last earlier layer of its kind (vLLM's
+        `kv_sharing_target_layer_name`)."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer < first:
+            return layer
+        kind = self.attention_kind(layer)
+        sources = [i for i in range(first) if self.attention_kind(i) == kind]
+        if not sources:  # (a layer pattern changed after reading, `with_layer_pattern`)
+            raise ConfigError(f"model {self.name!r}: KV-shared layer {layer} ({kind}) has no "
+                              f"earlier {kind} layer among the first {first} to read from")
+        return sources[-1]
+
+    def has_kv_cache(self, layer: int) -> bool:
+        """Whether layer `layer` writes keys and values of its own (a KV cache spec)."""
+        return self.kv_source(layer) == layer
+
+    def has_v_proj(self, layer: int) -> bool:
+        """Whether layer `layer` projects V (Gemma 4's attention_k_eq_v full layers reuse K's)."""
+        return self.has_kv_cache(layer) and not (
+            self.attention_k_eq_v and self.attention_kind(layer) == FULL)
+
+    def layer_intermediate_size(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width (Llama 4's `intermediate_size_mlp`; Gemma 4's
+        use_double_wide_mlp doubles the KV-shared layers')."""
+        wide = self.use_double_wide_mlp and not self.has_kv_cache(layer)
+        return self.dense_intermediate_size * (2 if wide else 1)
+
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP routes each token through experts."""
         return bool(self.mlp_kinds) and self.mlp_kinds[layer] == "experts"
 
-    def attention_weights(self) -> int:
-        """Elements of one layer's Q, K, V and O projections."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, \
-            self.num_key_value_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h
-
-    def expert_weights(self) -> int:
-        """Elements of one expert's three matrices (gate, up, down)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
-    def expert_elements(self) -> int:
-        """Elements of one expert: its matrices, and gpt-oss's biases (gate and up 2·I, down
-        H): what an expert no token picked leaves unread."""
-        return self.expert_weights() + self.parts.expert_bias * (
-            2 * self.moe_intermediate_size + self.hidden_size)
-
-    def mlp_weights(self, layer: int, active: bool = False) -> int:
-        """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router,
-        every expert (`active`: only the num_experts_per_tok experts one token runs) and a
-        shared expert's three (Llama 4)."""
-        if not self.is_moe(layer):
-            return 3 * self.hidden_size * self.dense_intermediate_size
-        experts = self.num_experts_per_tok if active else self.num_experts
-        shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
-        return self.num_experts * self.hidden_size + experts * self.expert_weights() + shared
-
-    def layer_weights(self, layer: int = 0, active: bool = False) -> int:
-        """Elements of layer `layer`'s matrices: the Q, K, V and O projections and its MLP's."""
-        return self.attention_weights() + self.mlp_weights(layer, active)
-
-    def linear_weights(self, active: bool = False) -> int:
-        """Elements of every matrix: every layer's, and the LM head (the embedding table itself
-        when tied); `active`: only those one token is multiplied by (its experts, not all)."""
-        return sum(self.layer_weights(i, active) for i in range(self.num_hidden_layers)) \
-            + self.vocab_size * self.hidden_size
-
-    def experts_parameters(self) -> int:
-        """Elements of every expert of every MoE layer, biases included (the routers not)."""
-        return sum(self.num_experts * self.expert_elements()
-                   for i in range(self.num_hidden_layers) if self.is_moe(i))
-
-    def active_parameters(self) -> int:
-        """Parameters one token runs through: `num_parameters` with each MoE layer's experts
-        cut to the k it picks (the routers, attention and embeddings all counted)."""
-        unpicked = (self.num_experts - self.num_experts_per_tok) * self.expert_elements()
-        return self.num_parameters() - unpicked * sum(map(self.is_moe,
-                                                          range(self.num_hidden_layers)))
-
-    def num_parameters(self) -> int:
-        """Parameter count from the shapes alone (the model's real count must equal it): the
-        matrices, the attention biases, every norm, and the input embedding when untied."""
-        h = self.hidden_size
-        bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
-            + h * self.parts.o_bias if self.attention_bias else 0
-        embed = 0 if self.tie_word_embeddings else self.vocab_size * h
-        norms = len(self.parts.layer_norms) * h + 2 * self.head_dim * self.parts.qk_norm
-        sinks = self.num_attention_heads * self.parts.sinks
-        return self.linear_weights() + embed + self.experts_biases() + h \
-            + self.num_hidden_layers * (bias + norms + sinks)
-
-    def experts_biases(self) -> int:
-        """Elements of the routers' and experts' biases (gpt-oss's): per MoE layer one per
-        expert (router), and each expert's 2·I + H (gate, up, down)."""
-        if not self.parts.expert_bias:
-            return 0
-        per_layer = self.num_experts * (1 + 2 * self.moe_intermediate_size + self.hidden_size)
-        return per_layer * sum(map(self.is_moe, range(self.num_hidden_layers)))
-
     def hf_dict(self) -> dict:
-        """The config.json that vLLM or transformers would read for this architecture."""
-        return {
+        """The config.json that vLLM or transformers would read for this architecture (Gemma
+        4's RoPE in `rope_parameters` alone: `gemma4_keys`)."""
+        keys = {
             "architectures": [self.parts.architecture], "model_type": self.family,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -260,10 +251,15 @@ class ModelConfig:
                else {}),
             **self.attention_keys(), **self.experts_keys(),
         }
+        if self.parts.gemma4:
+            keys = {k: v for k, v in keys.items() if k not in GEMMA4_UNREAD}
+            keys.update(gemma4_keys(self))
+        return keys
 
     def experts_keys(self) -> dict:
-        """config.json's keys for the experts, as the family's published configs write them."""
-        if not self.num_experts:
+        """config.json's keys for the experts, as the family's published configs write them
+        (Gemma 4's: `gemma4_keys`)."""
+        if not self.num_experts or self.parts.gemma4:
             return {}
         keys = {"num_experts_per_tok": self.num_experts_per_tok}
         if self.family == "llama4_text":
@@ -314,6 +310,13 @@ class ModelConfig:
             keys["rope_local_base_freq"] = self.rope_local_base_freq
         return keys
 
+
+
+def own_fields(hf: dict, family: str, name: str) -> dict:
+    """The fields a family reads with its own module (Llama 4's, Gemma 4's); {} for others."""
+    if family == "llama4_text":
+        return llama4_fields(hf, name)
+    return gemma4_fields(hf, name) if FAMILIES[family].gemma4 else {}
 
 
 def local_models() -> str:

@@ -83,7 +83,7 @@ def mlp_live_elements(arch, layer: int) -> int:
     2 × moe_intermediate_size sharing its memory with the row's down output (hidden_size),
     beside its activated row (moe_intermediate_size)."""
     if not arch.is_moe(layer):
-        return 3 * arch.dense_intermediate_size
+        return 3 * arch.layer_intermediate_size(layer)  # (Gemma 4 doubles some layers')
     i = arch.moe_intermediate_size
     routed = arch.num_experts_per_tok * (max(2 * i, arch.hidden_size) + i)
     return max(routed, 3 * arch.shared_expert_intermediate_size)  # Llama 4's runs apart
@@ -94,7 +94,7 @@ def mlp_floor_bytes(arch, num_tokens: int, dtype_bytes: int) -> int:
     dense intermediate (tokens × intermediate_size), or the routed gate-and-up rows (tokens ×
     k rows of 2 × moe_intermediate_size), the larger over the layers."""
     per_token = max(arch.num_experts_per_tok * 2 * arch.moe_intermediate_size
-                    if arch.is_moe(i) else arch.dense_intermediate_size
+                    if arch.is_moe(i) else arch.layer_intermediate_size(i)
                     for i in range(arch.num_hidden_layers))
     return num_tokens * per_token * dtype_bytes
 

@@ -73,10 +73,13 @@ def halves_to_pairs(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def conversion(arch: ModelConfig, kit_name: str, hf_name: str = ""):
     """The (to kit, to checkpoint) pair for parameter `kit_name`'s part `hf_name`, None when
-    stored as it is: stacked experts (`CONVERSIONS`), and Llama 4's q and k rows."""
+    stored as it is: stacked experts (`CONVERSIONS`; Gemma 4's stacked as the kit stacks them,
+    rows per expert), and Llama 4's q and k rows."""
     if arch.parts.rope_pairs == "interleaved" and hf_name.endswith(ROTATED):
         d = arch.head_dim
         return (lambda t: pairs_to_halves(t, d)), (lambda p: halves_to_pairs(p, d))
+    if arch.parts.gemma4 and kit_name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        return (lambda t: t, lambda p: p)
     return CONVERSIONS.get(arch.parts.expert_names, {}).get(kit_name.partition(".mlp.")[2])
 
 
@@ -100,21 +103,73 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
         parts["lm_head.weight"] = [("lm_head.weight", (vocab, h))]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
-        parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn."))
-        mlp = dense_mlp_tensors if not arch.is_moe(i) else stacked_experts_tensors \
-            if arch.parts.expert_names == "gpt_oss" else llama4_experts_tensors \
-            if arch.parts.expert_names == "llama4" else experts_tensors
-        parts.update(mlp(arch, kit + "mlp.", hf))
+        parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn.", i))
+        mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
+            stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
+            llama4_experts_tensors if arch.parts.expert_names == "llama4" else experts_tensors
+        parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
+        if arch.parts.gemma4:
+            parts.update(gemma4_layer_tensors(arch, kit, hf))
+    if arch.hidden_size_per_layer_input:
+        parts.update(per_layer_input_tensors(arch))
     return parts
 
 
-def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+def gemma4_layer_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A Gemma 4 layer's stored scalar (a buffer) and per-layer input gate and projection."""
+    h, p = arch.hidden_size, arch.hidden_size_per_layer_input
+    parts = {f"{kit}layer_scalar": [(f"{hf}layer_scalar", (1,))]}
+    if p:
+        parts.update({
+            f"{kit}per_layer.per_layer_input_gate.weight":
+                [(f"{hf}per_layer_input_gate.weight", (p, h))],
+            f"{kit}per_layer.per_layer_projection.weight":
+                [(f"{hf}per_layer_projection.weight", (h, p))],
+            f"{kit}per_layer.post_per_layer_input_norm.weight":
+                [(f"{hf}post_per_layer_input_norm.weight", (h,))]})
+    if arch.is_moe(int(kit.split(".")[1])):
+        parts.update(gemma4_moe_tensors(arch, kit, hf))
+    return parts
+
+
+def gemma4_moe_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A Gemma 4 MoE layer's router (`router.proj`, `router.scale`, `router.per_expert_scale`),
+    its experts as transformers stacks them ([E, 2I, H] gate rows then up rows, [E, H, I]: the
+    kit's own layout) and the three norms around them."""
+    h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+    parts = {f"{kit}moe.gate.weight": [(f"{hf}router.proj.weight", (e, h))],
+             f"{kit}moe.scale": [(f"{hf}router.scale", (h,))],
+             f"{kit}moe.per_expert_scale": [(f"{hf}router.per_expert_scale", (e,))],
+             f"{kit}moe.experts.gate_up_proj": [(f"{hf}experts.gate_up_proj", (e, 2 * inter, h))],
+             f"{kit}moe.experts.down_proj": [(f"{hf}experts.down_proj", (e, h, inter))]}
+    for norm in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1",
+                 "post_feedforward_layernorm_2"):
+        parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
+    return parts
+
+
+def per_layer_input_tensors(arch: ModelConfig) -> dict:
+    """Gemma 4's per-layer embeddings: the table, the projection of the embeddings, its norm."""
+    h, p, width = arch.hidden_size, arch.hidden_size_per_layer_input, arch.per_layer_width
+    kit, hf = "per_layer_inputs.", "model."
+    return {f"{kit}embed_tokens_per_layer.weight":
+            [(f"{hf}embed_tokens_per_layer.weight", (arch.vocab_size_per_layer_input, width))],
+            f"{kit}per_layer_model_projection.weight":
+            [(f"{hf}per_layer_model_projection.weight", (width, h))],
+            f"{kit}per_layer_projection_norm.weight":
+            [(f"{hf}per_layer_projection_norm.weight", (p,))]}
+
+
+def attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """Q, K, V (those the layer has: Gemma 4's KV-shared layers have only Q, its K = V layers
+    no V) in the fused matrix, O, biases, sinks and the per-head norms."""
+    h, d = arch.hidden_size, arch.layer_head_dim(layer)
+    q, kv = arch.num_attention_heads * d, arch.layer_kv_heads(layer) * d
     rows = {"q": q, "k": kv, "v": kv}
-    parts = {f"{kit}qkv_proj.weight": [(f"{hf}{p}_proj.weight", (rows[p], h)) for p in "qkv"],
+    which = "qkv"[:1 + arch.has_kv_cache(layer) + arch.has_v_proj(layer)]
+    parts = {f"{kit}qkv_proj.weight": [(f"{hf}{p}_proj.weight", (rows[p], h)) for p in which],
              f"{kit}o_proj.weight": [(f"{hf}o_proj.weight", (h, q))]}
     if arch.attention_bias:
         parts[f"{kit}qkv_proj.bias"] = [(f"{hf}{p}_proj.bias", (rows[p],)) for p in "qkv"]
@@ -122,15 +177,17 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
         parts[f"{kit}o_proj.bias"] = [(f"{hf}o_proj.bias", (h,))]
     if arch.parts.sinks:
         parts[f"{kit}sinks"] = [(f"{hf}sinks", (arch.num_attention_heads,))]
-    for norm in ("q_norm", "k_norm") if arch.parts.qk_norm else ():  # one scale per element
+    norms = ("q_norm", "k_norm")[:1 + arch.has_kv_cache(layer)] if arch.parts.qk_norm else ()
+    for norm in norms:  # one scale per element
         parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (d,))]
     return parts
 
 
-def dense_mlp_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
-    """A dense layer's MLP (Llama 4's is `feed_forward`, `intermediate_size_mlp` wide)."""
+def dense_mlp_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """A dense layer's MLP (Llama 4's is `feed_forward`, `intermediate_size_mlp` wide; Gemma
+    4 doubles some layers')."""
     return gated_mlp_tensors(arch, kit, f"{hf}{arch.parts.mlp_name}.",
-                             arch.dense_intermediate_size)
+                             arch.layer_intermediate_size(layer))
 
 
 def gated_mlp_tensors(arch: ModelConfig, kit: str, hf: str, inter: int) -> dict:
@@ -140,7 +197,7 @@ def gated_mlp_tensors(arch: ModelConfig, kit: str, hf: str, inter: int) -> dict:
             f"{kit}down_proj.weight": [(f"{hf}down_proj.weight", (h, inter))]}
 
 
-def llama4_experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+def llama4_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
     """Llama 4's router, experts ([E, in, out] each, as transformers writes them, converted at
     load and write: `CONVERSIONS`) and shared expert."""
     h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
@@ -152,7 +209,7 @@ def llama4_experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
                                 arch.shared_expert_intermediate_size)}
 
 
-def experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+def experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
     """The router and every expert under the family's names (`EXPERT_NAMES`): one tensor per
     expert and matrix, as published checkpoints and transformers' `save_pretrained` write
     them."""
@@ -165,7 +222,7 @@ def experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
             f"{kit}experts.down_proj": [(name(e, down), (h, inter)) for e in experts]}
 
 
-def stacked_experts_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+def stacked_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
     """gpt-oss's router (biased) and experts, each matrix and bias one tensor for all experts
     (as transformers writes them): [E, in, out], converted at load and write (`CONVERSIONS`)."""
     h, inter, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
@@ -191,10 +248,18 @@ def open_files(stack: ExitStack, files: list[Path]) -> dict:
     return where
 
 
+def unused_kv_tensors(arch: ModelConfig) -> set:
+    """K and V tensors a Gemma 4 checkpoint may keep for its KV-shared layers, which use
+    their source layer's (transformers ignores them on load too)."""
+    return {f"model.layers.{i}.self_attn.{name}.weight"
+            for i in range(arch.num_hidden_layers) if not arch.has_kv_cache(i)
+            for name in ("k_proj", "v_proj", "k_norm", "v_norm")}
+
+
 def check_tensors(arch: ModelConfig, where: dict) -> None:
     """Names every missing, unexpected, mis-shaped or non-float tensor, from headers only."""
     expected = hf_shapes(arch)
-    found = {n for n in where if not n.endswith(IGNORED)}
+    found = {n for n in where if not n.endswith(IGNORED) and n not in unused_kv_tensors(arch)}
     if arch.tie_word_embeddings:
         found.discard("lm_head.weight")  # some tied checkpoints keep the copy; it is unused
     problems = []
@@ -248,7 +313,7 @@ def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
     with ExitStack() as stack:
         where = open_files(stack, checkpoint_files(Path(arch.checkpoint)))
         check_tensors(arch, where)
-        params = dict(model.named_parameters())
+        params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         for kit_name, parts in layout(arch).items():
             converts = [conversion(arch, kit_name, name) for name in parts]
             copy_into(params[kit_name], parts, where, [c and c[0] for c in converts])
@@ -256,7 +321,7 @@ def load_checkpoint(model: torch.nn.Module, arch: ModelConfig) -> None:
 
 def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face's names, fused matrices split back apart."""
-    tensors, params = {}, dict(model.named_parameters())
+    tensors, params = {}, {**dict(model.named_buffers()), **dict(model.named_parameters())}
     shapes = hf_shapes(model.arch)
     for kit_name, parts in layout(model.arch).items():
         param = params[kit_name].detach()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
 from kit.engine.kv_groups import KVCacheGroup, kv_cache_groups
-from kit.engine.kv_specs import KVCacheSpec, attention_specs
+from kit.engine.kv_specs import KVCacheSpec, attention_spec, unify_page_sizes
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, Ratio
 
@@ -45,10 +45,12 @@ def in_flight_tokens(settings) -> int:
 
 
 def cache_block_size(block_size: int, has_windows: bool, device: str | None) -> int:
-    """The block vLLM sizes and runs the cache with: `block_size`, except on the CPU for a
-    model with sliding windows, whose window layers take the CPU kernel's blocks (multiples of
-    32: `_largest_kernel_block_within` in vLLM's `Attention.get_kv_cache_spec`), and then the
-    whole cache is sized at that block (block_size 16 sizes as 32)."""
+    """The block vLLM gives a layer: `block_size`, except on the CPU for sliding windows
+    (`has_windows`), which take the CPU kernel's blocks (multiples of 32:
+    `_largest_kernel_block_within` in vLLM's `Attention.get_kv_cache_spec`); where the full
+    layers' pages are then smaller, vLLM scales their blocks up to match
+    (`unify_page_sizes`), so a model whose layers all have the same heads runs at that block
+    (block_size 16 runs as 32), and Gemma 4's wider full layers keep theirs."""
     if device == "cpu" and has_windows and block_size % CPU_KERNEL_BLOCK:
         return -(-block_size // CPU_KERNEL_BLOCK) * CPU_KERNEL_BLOCK
     return block_size
@@ -68,23 +70,31 @@ class KVCacheLayout:
     requested_block_size: int  # the settings' block_size
     cache_dtype: str           # the elements' dtype: the model's for kv_cache_dtype "auto"
     kv_cache_dtype: str = "auto"
+    # (layer, the layer whose cache it reads) for layers with no cache of their own (Gemma 4's
+    # KV-shared layers: vLLM gives them no spec, so they cost no bytes)
+    shared: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
                   tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheLayout":
         """`arch`'s layers at `block_size`; `device` "cpu": at the blocks vLLM's CPU attention
-        takes (`cache_block_size`)."""
+        takes (`cache_block_size`). Each layer with a cache of its own gets a spec of its
+        window, KV heads and head size (Gemma 4's full layers have their own), their pages
+        made one size as vLLM makes them (`unify_page_sizes`); a layer reading another's cache
+        gets none."""
         check_tensor_parallel(arch, tensor_parallel_size)
         check_kv_cache_dtype(kv_cache_dtype)
-        windows = [arch.window(i) for i in range(arch.num_hidden_layers)]
-        size = cache_block_size(block_size, any(windows), device)
+        layers = tuple(i for i in range(arch.num_hidden_layers) if arch.has_kv_cache(i))
         cache_dtype = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-        specs = attention_specs(windows, size,
-                                kv_heads_per_rank(arch.num_key_value_heads, tensor_parallel_size),
-                                arch.head_dim, KV_CACHE_DTYPES[kv_cache_dtype]
-                                or DTYPE_BYTES[model_dtype],
-                                [arch.chunk(i) for i in range(arch.num_hidden_layers)])
-        return cls(kv_cache_groups(specs), size, block_size, cache_dtype, kv_cache_dtype)
+        dtype_bytes = KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
+        specs = unify_page_sizes(tuple(
+            attention_spec(arch.window(i), cache_block_size(block_size, arch.window(i), device),
+                           kv_heads_per_rank(arch.layer_kv_heads(i), tensor_parallel_size),
+                           arch.layer_head_dim(i), dtype_bytes, arch.chunk(i)) for i in layers))
+        shared = tuple((i, arch.kv_source(i)) for i in range(arch.num_hidden_layers)
+                       if i not in layers)
+        return cls(kv_cache_groups(specs, layers), min(s.block_size for s in specs),
+                   block_size, cache_dtype, kv_cache_dtype, shared)
 
     @classmethod
     def for_settings(cls, settings) -> "KVCacheLayout":
@@ -95,13 +105,14 @@ class KVCacheLayout:
 
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
-        """Each layer's spec, by layer index."""
+        """Each layer's spec, by layer index (layers reading another's cache have none)."""
         by_layer = {i: g.spec for g in self.groups for i in g.layers}
-        return tuple(by_layer[i] for i in range(len(by_layer)))
+        return tuple(by_layer[i] for i in sorted(by_layer))
 
     @property
     def num_layers(self) -> int:
-        return sum(len(g.layers) for g in self.groups)
+        """The model's layers: those with a cache and those reading another's."""
+        return sum(len(g.layers) for g in self.groups) + len(self.shared)
 
     @property
     def has_windows(self) -> bool:
@@ -137,7 +148,9 @@ class KVCacheLayout:
 
     def place(self, layer: int) -> tuple[int, int]:
         """(`layer`'s group, its place in the group): the block table it reads, and the
-        tensor that holds its pages (layer j of every group shares tensor j)."""
+        tensor that holds its pages (layer j of every group shares tensor j); a layer reading
+        another's cache reads that layer's."""
+        layer = dict(self.shared).get(layer, layer)
         group = next(i for i, g in enumerate(self.groups) if layer in g.layers)
         return group, self.groups[group].layers.index(layer)
 
@@ -162,6 +175,11 @@ class KVCacheLayout:
                 f"attention gives sliding-window layers blocks in multiples of "
                 f"{CPU_KERNEL_BLOCK}, and sizes the whole cache at that block")
 
+    def describe_blocks(self) -> str:
+        """Each group's tokens per block and bytes per token, for messages."""
+        return ", ".join(f"{g.spec.block_size}-token blocks of {g.spec.bytes_per_token} B per "
+                         f"token (layers {list(g.layers)})" for g in self.groups)
+
     def formula(self) -> str:
         """The bytes-per-block arithmetic written out with this layout's numbers."""
         layers = f"{self.group_size} layers"
@@ -174,8 +192,17 @@ class KVCacheLayout:
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
-        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j."""
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j. Layers whose heads
+        differ (Gemma 4's full layers) read and write the same bytes per token in their own
+        shape; groups of different block sizes are not run by the kit's decode."""
         spec = self.groups[0].spec
+        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.groups}) > 1:
+            raise ConfigError(
+                "the kit's paged decode runs one block size with the same bytes per token in "
+                f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "
+                "makes their pages one size by giving layers of smaller pages more tokens per "
+                "block). Sizing is exact; to decode, choose heads whose keys and values take "
+                "the same bytes on every layer")
         return (self.group_size, 2, num_blocks, self.block_size, spec.num_kv_heads,
                 spec.head_size)
 

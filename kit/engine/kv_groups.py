@@ -52,13 +52,16 @@ class KVCacheGroup:
         return f"{self.spec.describe()}: layers {', '.join(map(str, self.layers))}"
 
 
-def kv_cache_groups(specs: tuple[KVCacheSpec, ...]) -> tuple[KVCacheGroup, ...]:
-    """vLLM's KV cache groups for layers with these specs (one per layer, in order)."""
+def kv_cache_groups(specs: tuple[KVCacheSpec, ...],
+                    layers: tuple[int, ...] | None = None) -> tuple[KVCacheGroup, ...]:
+    """vLLM's KV cache groups for layers with these specs (one per layer, in order; `layers`:
+    their indices where some layers have no spec, as Gemma 4's KV-shared layers)."""
+    layers = tuple(range(len(specs))) if layers is None else tuple(layers)
     buckets: dict = {}
-    for layer, spec in enumerate(specs):
+    for layer, spec in zip(layers, specs):
         buckets.setdefault(spec, []).append(layer)
     if len(buckets) == 1:
-        return (KVCacheGroup(tuple(range(len(specs))), specs[0]),)
+        return (KVCacheGroup(layers, specs[0]),)
     sizes = [len(layers) for layers in buckets.values()]
     size = max(sizes) if max(sizes) < min(sizes) * SIMILAR_BUCKETS else min(sizes)
     groups = []

@@ -17,7 +17,7 @@ the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the bloc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,16 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_size: int
     dtype_bytes: int
+    # a page padded to another layer's larger one it does not divide (`unify_page_sizes`)
+    page_size_padded: int | None = field(default=None, kw_only=True)
 
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.block_size * self.bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -136,13 +142,38 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         return f"chunk {self.attention_chunk_size:,}"
 
 
+def attention_spec(window: int | None, block_size: int, num_kv_heads: int, head_size: int,
+                   dtype_bytes: int, chunk: int | None = None) -> AttentionSpec:
+    """One layer's spec: a chunk's of `chunk` positions (Llama 4), a sliding window's of
+    `window` tokens, or full attention's (both None)."""
+    shape = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_size,
+             "dtype_bytes": dtype_bytes}
+    if chunk:
+        return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=chunk)
+    return FullAttentionSpec(**shape) if window is None else \
+        SlidingWindowSpec(**shape, sliding_window=window)
+
+
 def attention_specs(windows, block_size: int, num_kv_heads: int, head_size: int,
                     dtype_bytes: int, chunks=None) -> tuple[AttentionSpec, ...]:
     """A spec per layer, for layers whose windows are `windows` (None: full attention) and
     whose chunks are `chunks` (None, or None for a layer: not chunked)."""
-    shape = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_size,
-             "dtype_bytes": dtype_bytes}
     chunks = chunks or [None] * len(windows)
-    return tuple(ChunkedLocalAttentionSpec(**shape, attention_chunk_size=c) if c else
-                 FullAttentionSpec(**shape) if w is None else
-                 SlidingWindowSpec(**shape, sliding_window=w) for w, c in zip(windows, chunks))
+    return tuple(attention_spec(w, block_size, num_kv_heads, head_size, dtype_bytes, c)
+                 for w, c in zip(windows, chunks))
+
+
+def unify_page_sizes(specs: tuple[AttentionSpec, ...]) -> tuple[AttentionSpec, ...]:
+    """Every layer's page made the largest one, as vLLM makes one pool of block ids
+    (`unify_kv_cache_spec_page_size`): a smaller page that divides it takes proportionally
+    more tokens per block (Gemma 4's sliding layers, with heads half the global ones', run at
+    twice the block size), one that does not is padded to it."""
+    largest = max(s.page_size_bytes for s in specs)
+
+    def unified(spec):
+        if spec.page_size_bytes == largest:
+            return spec
+        if largest % spec.page_size_bytes == 0:
+            return replace(spec, block_size=spec.block_size * largest // spec.page_size_bytes)
+        return replace(spec, page_size_padded=largest)
+    return tuple(map(unified, specs))

@@ -20,8 +20,10 @@ from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.experts import SparseMoE
+from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
+from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
 from kit.engine.layers.prefill_attention import soft_cap
 from kit.measure.device import torch_dtype
@@ -41,10 +43,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(arch)
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
-        self.mlp = SparseMoE(arch) if arch.is_moe(layer_idx) else \
-            MLP(arch, arch.dense_intermediate_size)
+        moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
+        self.mlp = SparseMoE(arch) if moe else MLP(arch, layer_idx)
 
-    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                extra=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -59,10 +62,44 @@ class SandwichLayer(DecoderLayer):
         self.pre_feedforward_layernorm = make_norm(arch)
         self.post_feedforward_layernorm = make_norm(arch)
 
-    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                extra=None):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma4Layer(SandwichLayer):
+    """Gemma 4's layer: Gemma 3's sandwich, attention handed the forward's keys and values for
+    the KV-shared layers (`extra`: (the handed-on dict, [tokens, layers, p] per-layer inputs
+    or None)), its per-layer input added (`PerLayerGate`), and the sum scaled by the layer's
+    stored `layer_scalar` (a buffer in transformers and vLLM, 1 unless trained otherwise)."""
+
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__(arch, layer_idx)
+        self.layer_idx = layer_idx
+        self.per_layer = PerLayerGate(arch) if arch.hidden_size_per_layer_input else None
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.moe = None
+        if arch.is_moe(layer_idx):  # experts beside the dense MLP, each output normed
+            self.moe = Gemma4MoE(arch)
+            self.pre_feedforward_layernorm_2 = make_norm(arch)
+            self.post_feedforward_layernorm_1 = make_norm(arch)
+            self.post_feedforward_layernorm_2 = make_norm(arch)
+
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                extra=None):
+        handed_on, per_layer_inputs = extra
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta, handed_on)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is not None:
+            mlp = self.post_feedforward_layernorm_1(mlp) + self.post_feedforward_layernorm_2(
+                self.moe(x, self.pre_feedforward_layernorm_2(x)))
+        x = x + self.post_feedforward_layernorm(mlp)
+        if self.per_layer is not None:
+            x = x + self.per_layer(x, per_layer_inputs[:, self.layer_idx])
+        return x * self.layer_scalar
 
 
 # Where a layer's norms sit (`Parts.layer`) -> the layer that places them so.
@@ -78,8 +115,10 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch, self.parts = arch, arch.parts
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        layer = LAYERS[self.parts.layer]
+        layer = Gemma4Layer if self.parts.gemma4 else LAYERS[self.parts.layer]
         self.layers = nn.ModuleList(layer(arch, i) for i in range(arch.num_hidden_layers))
+        self.per_layer_inputs = PerLayerInputs(arch) if arch.hidden_size_per_layer_input \
+            else None
         self.norm = make_norm(arch)
         self.lm_head = None if arch.tie_word_embeddings else \
             Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -111,24 +150,30 @@ class Decoder(nn.Module):
         """Flat tokens [tokens] at `positions` [tokens] through every layer and the final norm."""
         rope = self.rope_tables(positions)
         x = self.embed(input_ids)
+        extra = None  # Gemma 4: the keys and values handed on, and the per-layer inputs
+        if self.parts.gemma4:
+            extra = ({}, None if self.per_layer_inputs is None
+                     else self.per_layer_inputs(input_ids, x))
         for i, layer in enumerate(self.layers):
-            x = layer(x, *rope[self.rope_of(i)], num_seqs, meta)
+            x = layer(x, *rope[self.rope_of(i)], num_seqs, meta, extra)
         return self.norm(x)
 
     def rope_of(self, layer: int) -> tuple:
-        """Layer `layer`'s RoPE: its base and Llama 3's scaling (on full layers only when the
-        sliding ones have their own base, as Gemma 3's local RoPE is unscaled); () for a layer
-        without RoPE (Llama 4's NoPE layers)."""
+        """Layer `layer`'s RoPE: its head size, base and scaling (Llama 3's, YaRN's, Gemma 4's
+        proportional; on full layers only when the sliding ones have their own base, as Gemma
+        3's and 4's local RoPE is unscaled); () for a layer without RoPE (Llama 4's NoPE
+        layers)."""
         if not self.arch.uses_rope(layer):
             return ()
         own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
-        return self.arch.layer_rope_theta(layer), () if own_base else self.arch.rope_scaling
+        return (self.arch.layer_head_dim(layer), self.arch.layer_rope_theta(layer),
+                () if own_base else self.arch.rope_scaling)
 
     def rope_tables(self, positions: torch.Tensor) -> dict:
         """cos and sin at `positions` for each distinct RoPE among the layers (one or two);
         for layers without RoPE, each token's query scale and None (`query_temperature`)."""
         kinds = {self.rope_of(i) for i in range(len(self.layers))}
-        return {kind: rope_cos_sin(positions, self.arch.head_dim, *kind) if kind
+        return {kind: rope_cos_sin(positions, *kind) if kind
                 else (self.query_temperature(positions), None) for kind in kinds}
 
     def query_temperature(self, positions: torch.Tensor) -> torch.Tensor | None:
@@ -174,10 +219,15 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Random weights from `seed`, the same on every run of the same device; each norm at the
     scale that leaves its input as normalized, biases at zero."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, b in model.named_buffers():  # Gemma 4's layer_scalar: 1
+        if name.endswith("layer_scalar"):
+            b.fill_(1.0)
     for name, p in sorted(model.named_parameters()):
         owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, RMSNorm):
             owner.reset_parameters()
+        elif name.endswith(("moe.scale", "per_expert_scale")):  # Gemma 4's router: 1
+            p.fill_(1.0)
         elif name.endswith("bias"):  # ".bias", and the experts' "_bias"
             p.zero_()
         else:

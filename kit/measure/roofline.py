@@ -72,6 +72,9 @@ def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int,
     params = arch.num_parameters() - unread_expert_weights(arch, experts_read)
     if not arch.tie_word_embeddings:
         params -= arch.vocab_size * arch.hidden_size
+    if arch.hidden_size_per_layer_input:  # Gemma 4's per-layer table: the batch's rows too
+        params -= arch.vocab_size_per_layer_input * arch.per_layer_width
+        params += num_seqs * arch.per_layer_width
     return (params + num_seqs * arch.hidden_size) * dtype_bytes
 
 
@@ -93,19 +96,34 @@ def decode_step_cost(arch: ModelConfig, dtype_bytes: int, layer_specs,
     `kit.engine.kv_specs`) says how many of them its attention reads (`tokens_read`: all for
     full attention, at most the last W for a window W, the new token among them, which is
     written rather than read) and what it stores per token (`bytes_per_token`). An MoE
-    model's step reads the distinct experts `experts_read` (per MoE layer) its batch picked."""
+    model's step reads the distinct experts `experts_read` (per MoE layer) its batch picked.
+    Gemma 4's KV-shared layers have no spec (they write nothing) but read their source
+    layer's cache again; its layers' head sizes differ by kind."""
     num_seqs = len(context_lens)
-    attended = [sum(spec.tokens_read(n) for n in context_lens) for spec in layer_specs]
+    readers = reading_specs(arch, layer_specs)
+    attended = [sum(spec.tokens_read(n) for n in context_lens) for spec in readers]
+    heads = [arch.layer_head_dim(i) for i in range(len(readers))] \
+        if len(readers) == arch.num_hidden_layers else [arch.head_dim] * len(readers)
     return StepCost(
         num_seqs=num_seqs,
         weight_bytes=weight_bytes_per_step(arch, dtype_bytes, num_seqs, experts_read),
         kv_read_bytes=sum((a - num_seqs) * spec.bytes_per_token
-                          for a, spec in zip(attended, layer_specs)),
+                          for a, spec in zip(attended, readers)),
         kv_write_bytes=num_seqs * sum(spec.bytes_per_token for spec in layer_specs),
         logits_bytes=num_seqs * arch.vocab_size * dtype_bytes,
         flops=2 * num_seqs * arch.linear_weights(active=True)
-        + 4 * arch.num_attention_heads * arch.head_dim * sum(attended),
+        + 4 * arch.num_attention_heads * sum(d * a for d, a in zip(heads, attended)),
         experts_read=tuple(experts_read or ()))
+
+
+def reading_specs(arch: ModelConfig, layer_specs) -> list:
+    """The spec of the cache each layer reads: its own, or for a KV-shared layer its source
+    layer's (`layer_specs` are those of the layers with a cache, in order)."""
+    owners = [i for i in range(arch.num_hidden_layers) if arch.has_kv_cache(i)]
+    if len(owners) != len(layer_specs) or len(owners) == arch.num_hidden_layers:
+        return list(layer_specs)
+    by_layer = dict(zip(owners, layer_specs))
+    return [by_layer[arch.kv_source(i)] for i in range(arch.num_hidden_layers)]
 
 
 def formula(cost: StepCost, bandwidth: float) -> str:

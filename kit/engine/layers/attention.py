@@ -13,7 +13,10 @@ numbers, so compiled code sees constants; Qwen3 and Gemma 3 norm each head's que
 (`q_norm`, `k_norm`) before RoPE; gpt-oss's layers hold a sink logit per head (`sinks`, a
 parameter; None elsewhere) and bias their output projection. Llama 4's layers attend within
 chunks (`chunk`) or, without RoPE, to every position with their queries scaled by position
-(temperature tuning), and norm q and k after RoPE without a weight (`rms_normalize`).
+(temperature tuning), and norm q and k after RoPE without a weight (`rms_normalize`). Gemma
+4's full layers have their own head size and KV heads, their V may be K's projection (normed
+without a scale, as every Gemma 4 V is), and its last layers attend to an earlier layer's keys
+and values (`attend_shared`).
 """
 from __future__ import annotations
 
@@ -68,8 +71,12 @@ def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch
     block, offset = slot_mapping // block_size, slot_mapping % block_size
     layer = torch.full_like(slot_mapping, cache_slice)
     kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
+    # (a layer whose heads differ from the cache's, Gemma 4's full layers, fills the same
+    # bytes per token: its K and V rows reshaped to the cache's)
+    row = kv_cache.shape[-2:]
     kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
-                         torch.cat([offset, offset])), torch.cat([k, v]))
+                         torch.cat([offset, offset])),
+                        torch.cat([k.reshape(-1, *row), v.reshape(-1, *row)]))
 
 
 # The paged attention's form run eagerly: two matmuls, unless `summed_attention()` asks for the
@@ -138,7 +145,9 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     float32, with each head's sink logit (`sinks` [heads], gpt-oss) in its denominator.
     """
     num_seqs, width = block_tables.shape
-    _, _, block_size, kv_heads, head_dim = layer_cache.shape
+    block_size, head_dim = layer_cache.shape[2], q.shape[-1]
+    # the layer's KV heads, where they differ from the cache's shape (Gemma 4's full layers)
+    kv_heads = layer_cache.shape[3] * layer_cache.shape[4] // head_dim
     length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
     blocks = window_blocks(window or chunk, block_size, width)
@@ -214,45 +223,82 @@ class Attention(nn.Module):
         # its KV cache group (whose block table it reads) and its slice of the cache: set from
         # the run's layout by `bind_kv_cache`
         self.kv_group = self.cache_slice = None
-        self.num_heads, self.num_kv_heads = arch.num_attention_heads, arch.num_key_value_heads
-        self.head_dim = arch.head_dim
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.layer_kv_heads(layer_idx)  # Gemma 4's full layers: their own
+        self.head_dim = arch.layer_head_dim(layer_idx)
         # per layer, plain numbers: compiled code sees constants
         self.scale, self.window = arch.attention_scale, arch.window(layer_idx)
         self.chunk, self.rope = arch.chunk(layer_idx), arch.uses_rope(layer_idx)
         # Llama 4: its RoPE layers' q and k RMS-normed without a weight, after RoPE
         self.l2_norm_eps = arch.rms_norm_eps if arch.qk_l2_norm and self.rope else None
         self.softcap = arch.attn_logit_softcapping
+        # Gemma 4: a KV-shared layer attends to the keys and values of layer `kv_source` (in a
+        # prefill as that layer hands them on, in decode from its cache) and projects only Q;
+        # an attention_k_eq_v layer takes V from K's projection; V is normed without a scale
+        self.kv_source = arch.kv_source(layer_idx)
+        self.hands_on_kv = any(arch.kv_source(i) == layer_idx != i
+                               for i in range(arch.num_hidden_layers))
+        self.v_norm = arch.rms_norm_eps if arch.parts.v_norm else None
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q, kv, kv)
+        self.split = (q, kv, kv)[:1 + arch.has_kv_cache(layer_idx) + arch.has_v_proj(layer_idx)]
         # Q, K and V in one matrix, as vLLM's QKVParallelLinear holds them: one product per
         # layer instead of three, which streams the weights faster at a decode batch.
-        self.qkv_proj = Linear(arch.hidden_size, q + 2 * kv, bias=arch.attention_bias)
+        self.qkv_proj = Linear(arch.hidden_size, sum(self.split), bias=arch.attention_bias)
         self.o_proj = Linear(q, arch.hidden_size, bias=arch.attention_bias and arch.parts.o_bias)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if arch.parts.sinks else None
         self.qk_norm = arch.parts.qk_norm
         if self.qk_norm:  # each head's query and key normed over head_dim, before RoPE
             self.q_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
-            self.k_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
+            if len(self.split) > 1:
+                self.k_norm = NORMS[arch.parts.norm](self.head_dim, arch.rms_norm_eps)
 
-    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None):
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                handed_on: dict | None = None):
         """x [tokens, hidden]; `cos` and `sin` RoPE's at each token's position, or for a layer
         without RoPE (Llama 4's NoPE layers) `cos` each token's query scale [tokens] (None:
-        none) and `sin` None (`kit.engine.model.Decoder.rope_tables`)."""
+        none) and `sin` None (`kit.engine.model.Decoder.rope_tables`). `handed_on`: layer ->
+        its prefill's keys and values, for the layers that read them (Gemma 4's KV-shared
+        layers; None for every other family)."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, *kv = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        elif cos is not None:  # Llama 4's temperature tuning of NoPE layers' queries
-            q = (q * cos[:, None, None]).to(q.dtype)
-        if self.l2_norm_eps is not None:
-            q, k = rms_normalize(q, self.l2_norm_eps), rms_normalize(k, self.l2_norm_eps)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q = self.positioned(q, cos, sin, query=True)
+        if not kv:  # a KV-shared layer: its source's keys and values
+            out = self.attend_shared(q, num_seqs, meta, handed_on)
+            return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        k = kv[0].view(tokens, self.num_kv_heads, self.head_dim)
+        v = kv[-1].view(tokens, self.num_kv_heads, self.head_dim)  # K's own with K = V
+        if self.v_norm is not None:
+            v = rms_normalize(v, self.v_norm)
+        k = self.positioned(k, cos, sin)
+        if self.hands_on_kv:
+            handed_on[self.layer_idx] = (k, v)
         out = self.attend(q, k, v, num_seqs, meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def positioned(self, t, cos, sin, query: bool = False):
+        """A query's or key's heads [tokens, heads, head_dim] normed (QK-norm) then rotated,
+        or for a NoPE layer's query scaled by its temperature (Llama 4), then normed without a
+        weight where the family does (Llama 4's RoPE layers)."""
+        if self.qk_norm:
+            t = self.q_norm(t) if query else self.k_norm(t)
+        if self.rope:
+            t = apply_rope(t, cos, sin)
+        elif query and cos is not None:  # Llama 4's temperature tuning of NoPE layers' queries
+            t = (t * cos[:, None, None]).to(t.dtype)
+        return t if self.l2_norm_eps is None else rms_normalize(t, self.l2_norm_eps)
+
+    def attend_shared(self, q, num_seqs: int, meta: AttentionMetadata | None, handed_on):
+        """A KV-shared layer's attention: a decode step reads its source layer's paged cache
+        (bound to it, `bind_kv_cache`) and writes nothing; a prefill attends to the keys and
+        values the source layer computed in this forward."""
+        if meta is not None and meta.block_tables is not None:
+            return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
+                                          meta.block_tables[self.kv_group], meta.context_lens,
+                                          meta.max_context_len, self.scale, self.window,
+                                          self.softcap, self.sinks)
+        k, v = handed_on[self.kv_source]
+        return self.attend(q, k, v, num_seqs)
 
     def bind_kv_cache(self, layout) -> None:
         """Take this layer's KV cache group and cache slice from `layout` (a

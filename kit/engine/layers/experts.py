@@ -69,6 +69,10 @@ def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False,
 ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax,  # `Parts.experts` -> router
          "topk_sigmoid": route_topk_sigmoid}
 
+# The largest expert (its matrices' bytes) a compiled decode step multiplies in one generated
+# loop (`gathered_products`) rather than a product per expert (`grouped_mm`): measured on a
+# 2-core AVX-512 CPU (README, "Experts against vLLM's fused MoE").
+GATHER_MAX_EXPERT_BYTES = 4 * 2**20
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
 
@@ -173,6 +177,18 @@ class Experts(nn.Module):
         gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
         return gate * up
 
+    def gathers(self, pairs: int) -> bool:
+        """Whether compiled code runs `pairs` (token, expert) pairs as `gathered_products`: a
+        decode step's, no more pairs than experts, where an expert is small enough
+        (`GATHER_MAX_EXPERT_BYTES`) that a product's own parallel region costs more than
+        Inductor's generated loop, slower per byte, loses."""
+        return pairs <= self.num_experts and self.expert_bytes() <= GATHER_MAX_EXPERT_BYTES
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's matrices."""
+        w = self.gate_up_proj
+        return (w[0].numel() + self.down_proj[0].numel()) * w.element_size()
+
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
         return rows if bias is None else rows + bias[expert_of_row]
@@ -186,7 +202,7 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
         token_of = order // k
         picked = flat[order]
-        if torch.compiler.is_compiling() and flat.shape[0] <= self.num_experts:
+        if torch.compiler.is_compiling() and self.gathers(flat.shape[0]):
             products = gathered_products  # a decode step's few pairs: one generated loop each
         else:
             ends = picks_per_expert(flat, self.num_experts).cumsum(0).to(torch.int32)
@@ -215,7 +231,7 @@ class SparseMoE(nn.Module):
         self.router = ROUTE[arch.parts.experts]
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=arch.parts.expert_bias)
         self.experts = Experts(arch)
-        self.shared_expert = MLP(arch, arch.shared_expert_intermediate_size) \
+        self.shared_expert = MLP(arch, intermediate_size=arch.shared_expert_intermediate_size) \
             if arch.parts.shared_expert else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

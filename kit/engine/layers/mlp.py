@@ -11,11 +11,11 @@ from kit.engine.layers.linear import Linear
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelConfig, intermediate_size: int | None = None):
-        """`intermediate_size`: where not the config's (Llama 4's dense layers and shared
-        expert)."""
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0,
+                 intermediate_size: int | None = None):
+        """`intermediate_size`: where not layer `layer_idx`'s (Llama 4's shared expert)."""
         super().__init__()
-        inter = intermediate_size or arch.intermediate_size
+        inter = intermediate_size or arch.layer_intermediate_size(layer_idx)
         # The gate and up projections in one matrix (vLLM's MergedColumnParallelLinear).
         self.gate_up_proj = Linear(arch.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, arch.hidden_size, bias=False)

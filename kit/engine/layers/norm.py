@@ -13,7 +13,8 @@ from torch import nn
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x over its last dim divided by its root mean square, in float32, no scale (Llama 4's
-    `Llama4TextL2Norm`, vLLM's RMSNorm without a weight)."""
+    `Llama4TextL2Norm`, vLLM's RMSNorm without a weight; Gemma 4's `v_norm`,
+    `with_scale=False`)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), with Llama 3's or YaRN's scaling of the frequencies
+"""Rotary position embeddings (RoPE), with Llama 3's, YaRN's or Gemma 4's proportional scaling of the frequencies
 (chapters 01, 03–05): `rope_cos_sin` once per forward for its positions, `apply_rope` to each
 layer's queries and keys. YaRN also multiplies cos and sin by its attention factor.
 """
@@ -52,6 +52,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
         inv_freq = llama3_inv_freq(inv_freq, scaling)
     elif scaling.get("rope_type") == "yarn":
         inv_freq, factor = yarn_inv_freq(inv_freq, theta, scaling), scaling["attention_factor"]
+    elif scaling.get("rope_type") == "proportional":  # Gemma 4's full layers: only the first
+        # partial_rotary_factor of the frequencies turn, the rest are 0 (cos 1, sin 0), all
+        # divided by `factor` (transformers' `_compute_proportional_rope_parameters`)
+        turning = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv_freq = torch.cat([inv_freq[:turning], torch.zeros_like(inv_freq[turning:])]) \
+            / scaling["factor"]
     freqs = positions.float()[:, None] * inv_freq[None, :]
     if factor == 1.0:
         return freqs.cos(), freqs.sin()
