@@ -111,7 +111,7 @@ def replaying(model, routing: list[torch.Tensor], flips: Flips, ranked: list | N
 def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips, ranked: list | None):
     """`moe`'s routing of `x` at the recorded `ids` (a row of -1: its own), its own top k
     compared with them."""
-    logits = moe.gate(x)
+    logits = moe.router_logits(x)
     _, own = moe.picks(logits)
     ids = ids.to(logits.device)
     ids = torch.where(ids < 0, own, ids)

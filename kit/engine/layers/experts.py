@@ -69,9 +69,12 @@ def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False,
 ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax,  # `Parts.experts` -> router
          "topk_sigmoid": route_topk_sigmoid}
 
-# The largest expert (its matrices' bytes) a compiled decode step multiplies in one generated
-# loop (`gathered_products`) rather than a product per expert (`grouped_mm`): measured on a
-# 2-core AVX-512 CPU (README, "Experts against vLLM's fused MoE").
+# The largest float32 expert (its matrices' bytes) a compiled decode step on the CPU multiplies
+# in one generated loop (`gathered_products`) rather than a product per expert (`grouped_mm`).
+# Measured on a quiet 2-core AVX-512 CPU, one layer at batch 4-8: the loop is faster up to 3 MB
+# (0.59 against 0.99 ms at 0.8 MB), the products from 6 MB (16.3 against 22.2 ms; Qwen3-30B-
+# A3B's 19 MB: 48 against 63 ms). In bf16 the loop was faster at every size (Qwen3's 9 MB:
+# 41 against 50 ms): oneDNN's products of one row stream bf16 at about 10 GB/s.
 GATHER_MAX_EXPERT_BYTES = 4 * 2**20
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
@@ -179,15 +182,14 @@ class Experts(nn.Module):
 
     def gathers(self, pairs: int) -> bool:
         """Whether compiled code runs `pairs` (token, expert) pairs as `gathered_products`: a
-        decode step's, no more pairs than experts, where an expert is small enough
-        (`GATHER_MAX_EXPERT_BYTES`) that a product's own parallel region costs more than
-        Inductor's generated loop, slower per byte, loses."""
-        return pairs <= self.num_experts and self.expert_bytes() <= GATHER_MAX_EXPERT_BYTES
-
-    def expert_bytes(self) -> int:
-        """Bytes of one expert's matrices."""
+        decode step's, no more pairs than experts; on the CPU in float32 only for experts of
+        at most `GATHER_MAX_EXPERT_BYTES`, past which a product per expert (MKL) streams the
+        weights faster than Inductor's loop."""
         w = self.gate_up_proj
-        return (w[0].numel() + self.down_proj[0].numel()) * w.element_size()
+        if pairs > self.num_experts:
+            return False
+        return w.device.type != "cpu" or w.dtype != torch.float32 or \
+            (w[0].numel() + self.down_proj[0].numel()) * w.element_size() <= GATHER_MAX_EXPERT_BYTES
 
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
@@ -236,7 +238,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k experts: (weights float32, ids), [tokens, k] each."""
-        return self.picks(self.gate(x))
+        return self.picks(self.router_logits(x))
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits [tokens, E] for the hidden states `x`."""
+        return self.gate(x)
 
     def picks(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
         """The router's logits [tokens, E] -> (weights float32, ids) [tokens, k]: its top k,

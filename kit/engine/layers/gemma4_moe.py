@@ -31,10 +31,12 @@ class Gemma4MoE(SparseMoE):
         self.per_expert_scale = nn.Parameter(torch.empty(arch.num_experts))
         self.eps, self.root = arch.rms_norm_eps, arch.hidden_size ** -0.5
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's k experts: (weights float32, ids), [tokens, k] each."""
-        logits = self.gate(rms_normalize(x, self.eps) * self.root * self.scale)
-        weights, ids = route(logits, self.top_k, True)
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(rms_normalize(x, self.eps) * self.root * self.scale)
+
+    def picks(self, logits: torch.Tensor, ids: torch.Tensor | None = None):
+        """The top k (or the given `ids`), renormalised, each times its expert's scale."""
+        weights, ids = route(logits, self.top_k, True, ids)
         return weights * self.per_expert_scale[ids].float(), ids
 
     def forward(self, x: torch.Tensor, experts_input: torch.Tensor) -> torch.Tensor:
