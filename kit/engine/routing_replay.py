@@ -143,28 +143,47 @@ def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run,
 def explained_reference(model, prompt, fed, routing, got: torch.Tensor, flips: Flips):
     """One sequence's reference logits, routed by `routing`. The rerun that recorded it is
     eager; a compiled step rounds otherwise and may flip a near-tie the rerun did not. So the
-    first step the run's logits `got` miss by more than the tolerance is tried once more with
-    the other side of each near-tie (gap within the tolerance) at its position, one MoE layer
-    at a time, the layers after it routing as they then see. If one routing explains the step,
-    it becomes the reference's from there on (the run's later steps read that token's keys and
-    values as it routed them), `flips.explained` keeps (step, MoE layer, gap), and the next
-    step missed is tried; a step no near-tie explains stays off, and fails the check."""
+    first step the run's logits `got` miss by more than the tolerance is tried once more across
+    the near-ties at its position (`across_ties`). If a routing explains the step, it becomes
+    the reference's from there on (the run's later steps read that token's keys and values as
+    it routed them), `flips.explained` keeps (step, MoE layer, gap) per tie crossed, and the
+    next step missed is tried; a step no near-tie explains stays off, and fails the check."""
     ref, ranked = routed_logits(model, prompt, fed, routing, flips)
     steps = off_steps(got, ref, flips.tolerance)
     while steps:
         step = steps[0]
-        position = len(prompt) - 1 + step
-        for j, (top, gaps) in enumerate(ranked):
-            if gaps[position] > flips.tolerance:
-                continue
-            alt = across(routing, j, position, other_side(routing[j][position], top[position]))
-            logits, alt_ranked = routed_logits(model, prompt, fed, alt, Flips(flips.tolerance))
-            if not off_steps(got[step:step + 1], logits[step:step + 1], flips.tolerance):
-                flips.explained.append((step, j, float(gaps[position])))
-                ref, ranked, routing = logits, alt_ranked, alt
-                break
+        found = across_ties(model, prompt, fed, got, step, routing, ranked, flips.tolerance)
+        if found is not None:
+            ref, ranked, routing, crossed = found
+            flips.explained += [(step, j, gap) for j, gap in crossed]
         steps = [s for s in off_steps(got, ref, flips.tolerance) if s > step]
     return ref
+
+
+def across_ties(model, prompt, fed, got, step: int, routing, ranked, tolerance: float,
+                first: int = 0, depth: int = 2):
+    """A routing that explains `step` of `got`: the other side of the near-tie (gap within
+    `tolerance`) of one MoE layer from `first` on at the step's position, the layers after it
+    routing as they then see; failing that, of one more layer after it too (up to `depth`
+    ties). -> (logits, ranked, routing, [(layer, gap), ...]) or None."""
+    position = len(prompt) - 1 + step
+    for j in range(first, len(ranked)):
+        top, gaps = ranked[j]
+        if gaps[position] > tolerance:
+            continue
+        picked = routing[j][position] if routing[j][position][0] >= 0 else top[position][:len(
+            routing[j][position])]
+        alt = across(routing, j, position, other_side(picked, top[position]))
+        logits, alt_ranked = routed_logits(model, prompt, fed, alt, Flips(tolerance))
+        crossed = [(j, float(gaps[position]))]
+        if not off_steps(got[step:step + 1], logits[step:step + 1], tolerance):
+            return logits, alt_ranked, alt, crossed
+        if depth > 1:
+            deeper = across_ties(model, prompt, fed, got, step, alt, alt_ranked, tolerance,
+                                 j + 1, depth - 1)
+            if deeper is not None:
+                return *deeper[:3], crossed + deeper[3]
+    return None
 
 
 def routed_logits(model, prompt, fed, routing, flips: Flips):
