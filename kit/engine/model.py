@@ -217,7 +217,10 @@ class Decoder(nn.Module):
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
     """Random weights from `seed`, the same on every run of the same device; each norm at the
-    scale that leaves its input as normalized, biases at zero."""
+    scale that leaves its input as normalized, biases at zero. Gemma 4 does not divide its
+    scores by sqrt(head_dim) (its trained q_norm carries the scale), so its q_norm starts at
+    head_dim^-1/2: at 1, scores of normed heads spread over ±sqrt(head_dim) and a bf16 step
+    moved the logits by 0.07-0.24 from float32's (tiny-gemma4), against tiny's 0.01."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, b in model.named_buffers():  # Gemma 4's layer_scalar: 1
         if name.endswith("layer_scalar"):
@@ -226,6 +229,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
         owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, RMSNorm):
             owner.reset_parameters()
+            if name.endswith("q_norm.weight") and model.arch.parts.unscaled_scores:
+                p.mul_(p.shape[0] ** -0.5)  # Gemma 4's scores are unscaled: its q_norm scales
         elif name.endswith(("moe.scale", "per_expert_scale")):  # Gemma 4's router: 1
             p.fill_(1.0)
         elif name.endswith("bias"):  # ".bias", and the experts' "_bias"

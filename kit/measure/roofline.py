@@ -65,17 +65,23 @@ class StepCost:
 
 def weight_bytes_per_step(arch: ModelConfig, dtype_bytes: int, num_seqs: int,
                           experts_read=None) -> int:
-    """Every parameter once, except that an untied input embedding is read only at the batch's
-    rows (the tied table is read whole by the LM head, already counted once), and that an MoE
-    layer reads only the experts its tokens picked: `experts_read`, one count per MoE layer in
-    layer order (None: every expert, the most a step can read)."""
-    params = arch.num_parameters() - unread_expert_weights(arch, experts_read)
-    if not arch.tie_word_embeddings:
-        params -= arch.vocab_size * arch.hidden_size
-    if arch.hidden_size_per_layer_input:  # Gemma 4's per-layer table: the batch's rows too
-        params -= arch.vocab_size_per_layer_input * arch.per_layer_width
-        params += num_seqs * arch.per_layer_width
-    return (params + num_seqs * arch.hidden_size) * dtype_bytes
+    """Every parameter once, except the embedding rows no token of the batch reads
+    (`unread_embedding_rows`) and, in an MoE layer, the experts no token picked:
+    `experts_read`, one count per MoE layer in layer order (None: every expert, the most a
+    step can read)."""
+    return (arch.num_parameters() - unread_expert_weights(arch, experts_read)
+            - unread_embedding_rows(arch, num_seqs)) * dtype_bytes
+
+
+def unread_embedding_rows(arch: ModelConfig, num_seqs: int) -> int:
+    """Elements of the embedding tables a step of `num_seqs` tokens does not read: an untied
+    input embedding is read only at the batch's rows, and so is Gemma 4's per-layer table; a
+    tied table is read whole by the LM head and its batch's rows once more (negative)."""
+    unread = (0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size) \
+        - num_seqs * arch.hidden_size
+    if arch.hidden_size_per_layer_input:
+        unread += (arch.vocab_size_per_layer_input - num_seqs) * arch.per_layer_width
+    return unread
 
 
 def unread_expert_weights(arch: ModelConfig, experts_read=None) -> int:
