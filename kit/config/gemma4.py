@@ -139,4 +139,5 @@ def gemma4_keys(arch) -> dict:
             "rope_parameters": {
                 SLIDING: {"rope_type": "default", "rope_theta": arch.rope_local_base_freq},
                 FULL: {"rope_type": "default", "rope_theta": arch.rope_theta,
-                       **{k: v for k, v in dict(arch.rope_scaling).items()}}}}
+                       **{k: v for k, v in dict(arch.rope_scaling).items()
+                          if (k, v) != ("factor", 1.0)}}}}  # (transformers warns at a factor)

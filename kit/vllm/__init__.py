@@ -16,3 +16,8 @@ import logging as _logging
 # in chapter 05. That one record is dropped where it is made; every other vLLM line stays.
 _logging.getLogger("vllm.triton_utils.importing").addFilter(
     lambda record: "doesn't include CPU backend" not in record.getMessage())
+# transformers 5.19 validates Llama 3 RoPE scaling as if low_freq_factor < high_freq_factor
+# were required, and Llama-4-Scout's published config has both at 1.0 (which it then computes
+# without complaint): a warning per read of that config.json, shown as an error box in chapter 05.
+_logging.getLogger("transformers.modeling_rope_utils").addFilter(
+    lambda record: "must be greater than low_freq_factor" not in record.getMessage())
