@@ -185,7 +185,8 @@ def compare_tokens(settings: Settings, dtype: str | None = None,
 
     def timed(llm):
         return engine_timings(llm, len(prompts), settings.input_len, settings.output_len,
-                              settings.arch.vocab_size, 2, settings.seed, kit_turn)
+                              settings.arch.vocab_size, 2, settings.seed, kit_turn,
+                              [p.tolist() for p in prompts])
     try:
         vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1,
                                       settings.dtype, BLOCK_SIZE, timed if time_steps else None)

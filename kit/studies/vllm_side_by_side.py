@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kit.config import ModelConfig, load
+from kit.engine.checkpoint import write_checkpoint
 from kit.engine.decode import decode_inputs, generate, peak_blocks, prompt_lengths
 from kit.engine.kv_cache import KVCacheConfig, KVCacheLayout, allocate, config_for_settings
 from kit.engine.model import build_model
@@ -26,7 +28,7 @@ from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
 from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer, vllm_kv_sizing
-from kit.vllm.model_folder import safe_name, write_model_folder
+from kit.vllm.model_folder import safe_name, weights_folder, write_model_folder
 from kit.units import Bytes, Count, Ratio, Seconds, parse_bytes, typed
 
 
@@ -159,6 +161,7 @@ class KitDecode:
     error: str | None = None
     prefills: list[float] = field(default_factory=list)       # per generation
     generations: list[float] = field(default_factory=list)    # per generation: prefill + steps
+    tokens: list[list[int]] = field(default_factory=list)     # the first generation's, per seq
 
     @property
     def median(self) -> float | None:
@@ -196,7 +199,9 @@ def kit_strategy(mode: str, device: str) -> str:
 
 class KitTurns:
     """The kit's side of the decode comparison (chapter 04's paged decode), run in turns with
-    vLLM's engine: `start(mode)` warms the mode's strategy up (compiling it, and on the CPU the
+    vLLM's engine, which loads the kit's weights (`weights`, written here) and feeds the kit's
+    prompts: with vLLM's dummy weights every token of an MoE picked the same experts (gpt-oss-
+    like: 4 of 32 per layer against the kit's 21), so the two sides read different bytes. `start(mode)` warms the mode's strategy up (compiling it, and on the CPU the
     prefill for the compiled strategies), then each `turn()` runs and times one whole
     generation (prefill, then `output_len - 1` steps), the first checked against the no-cache
     reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
@@ -209,6 +214,8 @@ class KitTurns:
         kv_cache = allocate(layout, peak_blocks(layout, lens, self.steps), settings.device)
         self.batch, self.prompts = decode_inputs(settings, layout, kv_cache)
         self.shared_prefill = SharedPrefill(self.model, self.batch, self.prompts)
+        self.weights = write_checkpoint(self.model, weights_folder(settings.arch, settings.dtype,
+                                                                   settings.seed))
         self.decodes: dict[str, KitDecode] = {}
         self.mode = self.runner = self.prefill = None
 
@@ -237,6 +244,7 @@ class KitTurns:
             decode.prefills.append(run.prefill_seconds)
             decode.generations.append(run.prefill_seconds + sum(run.step_seconds))
             if first:
+                decode.tokens = run.tokens.tolist()
                 check = check_routed_against_no_cache(self.model, self.batch, self.prompts,
                                                       run, self.settings.dtype)
                 if not check.ok:
@@ -254,6 +262,7 @@ class KitTurns:
 
     def close(self) -> None:
         self.shared_prefill.discard()
+        shutil.rmtree(self.weights, ignore_errors=True)
 
 
 def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print,
@@ -274,7 +283,8 @@ def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print,
             progress(f"  {decode.error}" if decode.error else
                      f"  first call {decode.compile_seconds:.1f} s")
             progress(f"starting vLLM ({mode}), the kit taking a turn after each generation ...")
-            run = runs[mode] = run_settings(settings, mode, between=kit.turn)
+            run = runs[mode] = run_settings(settings, mode, between=kit.turn, weights=kit.weights,
+                                            prompts=[p.tolist() for p in kit.prompts])
             decode = kit.stop(turns_alone=0 if decode.generations else repeats + 1)
             log = run.save_log(folder)
             progress(f"  vLLM: {run.error}" if not run.ok else
@@ -330,6 +340,7 @@ class DecodeComparison:
     vllm_prefill: float | None = None
     kit_end_to_end: float | None = None    # one generation: prefill and every decode step
     vllm_end_to_end: float | None = None
+    same_tokens: tuple[int, int] | None = None  # (equal, of): both sides' first generation
 
     @property
     def ratio(self) -> float | None:
@@ -349,7 +360,9 @@ class DecodeComparison:
                 "kit step (ms)": _fmt(_ms(self.kit_step)), "vLLM step (ms)": _fmt(_ms(self.vllm_step)),
                 "kit ÷ vLLM": _fmt(self.ratio, 2), "kit compile (s)": _fmt(self.kit_compile, 1),
                 "vLLM compile (s)": _fmt(self.vllm_compile, 1),
-                "vLLM start-up (s)": _fmt(self.vllm_startup, 1)}
+                "vLLM start-up (s)": _fmt(self.vllm_startup, 1),
+                "same tokens": "n/a" if self.same_tokens is None else
+                "{:,}/{:,}".format(*self.same_tokens)}
 
     def end_to_end_row(self) -> dict:
         """The same requests end to end: prefill, then the whole generation."""
@@ -377,8 +390,19 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
             mode, k.strategy if k else "-", k.median if k else None, run.decode_step_median,
             k.compile_seconds if k else None, run.compile_seconds, run.startup_seconds,
             k.prefill_seconds if k else None, run.prefill_median,
-            k.end_to_end_seconds if k else None, run.end_to_end_median))
+            k.end_to_end_seconds if k else None, run.end_to_end_median,
+            same_tokens(k.tokens, run.tokens) if k else None))
     return out
+
+
+def same_tokens(kit: list[list[int]], vllm: list[list[int]]) -> tuple[int, int] | None:
+    """(equal, of): the tokens the two sides generated for the same prompts from the same
+    weights, position by position (None when a side has none): all equal says both did the
+    same work; a greedy near-tie in bf16 may part them."""
+    if not kit or not vllm:
+        return None
+    pairs = [(a, b) for ks, vs in zip(kit, vllm) for a, b in zip(ks, vs)]
+    return sum(a == b for a, b in pairs), max(sum(map(len, kit)), sum(map(len, vllm)))
 
 
 def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) -> float | None:

@@ -1,6 +1,7 @@
 """The real vLLM's engine started on a model folder: what it decided and how fast it decodes.
 
-`run_engine(...)` starts `vllm.LLM` in this process with dummy weights and no tokenizer, eager
+`run_engine(...)` starts `vllm.LLM` in this process with no tokenizer and dummy weights (or a
+checkpoint's: `run_settings(weights=...)`, so that an MoE routes as the kit's model does), eager
 (`enforce_eager=True`) or compiled, reads back what the engine decided (blocks, block size, KV
 bytes, compilation mode and backend, start-up and compile time, the memory profile on a GPU),
 times decode steps, keeps the engine's start-up log, and shuts the engine down.
@@ -74,6 +75,7 @@ class EngineRun:
     decode_output_len: int | None = None
     torch_threads: int | None = None  # intra-op threads the engine's model ran with
     specs_as_built: bool | None = None  # engine's KV specs == `specs_without_engine`'s
+    tokens: list[list[int]] = field(default_factory=list)  # first generation's, per request
     log: list[str] = field(default_factory=list)
 
     @property
@@ -117,12 +119,14 @@ class EngineRun:
 def engine_kwargs(model_folder: Path, mode: str, *, block_size: int, max_model_len: int,
                   max_num_seqs: int, max_num_batched_tokens: int, dtype: str,
                   kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
-                  gpu_memory_utilization: float = 0.9, seed: int = 0) -> dict:
-    """The `vllm.LLM(...)` arguments for one run: dummy weights, no tokenizer, no prefix cache
-    (each timed generation must do its full prefill)."""
+                  gpu_memory_utilization: float = 0.9, seed: int = 0,
+                  load_format: str = "dummy") -> dict:
+    """The `vllm.LLM(...)` arguments for one run: dummy weights (`load_format="auto"`: the
+    folder's checkpoint), no tokenizer, no prefix cache (each timed generation must do its full
+    prefill)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
-    return dict(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
+    return dict(model=str(model_folder), load_format=load_format, skip_tokenizer_init=True,
                 enforce_eager=mode == "eager", block_size=block_size,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
@@ -195,13 +199,17 @@ class EngineTimings(NamedTuple):
     decode_steps: list[float]   # every decode step of every generation
     prefills: list[float]       # per generation: the step(s) until every request had a token
     generations: list[float]    # per generation: every step, prefill included (end to end)
+    tokens: list[list[int]]     # the warm-up generation's tokens, per request in order
 
 
 def engine_timings(llm, batch_size: int, input_len: int, output_len: int, vocab_size: int,
-                   repeats: int = 5, seed: int = 0, between=None) -> EngineTimings:
+                   repeats: int = 5, seed: int = 0, between=None,
+                   prompts: list[list[int]] | None = None) -> EngineTimings:
     """Time vLLM's engine loop over `repeats` generations of `output_len` tokens for
     `batch_size` prompts of `input_len` tokens (greedy, end of sequence ignored), each step
-    timed; the first generation is a warm-up. A generation's prefill is its steps until every
+    timed; the first generation is a warm-up. `prompts`: the same token ids every generation
+    (the kit's, so both sides do the same work: an MoE's steps read the experts its tokens
+    pick); default: random ones drawn from `seed`. A generation's prefill is its steps until every
     request has its first token; its decode steps are the rest. `between()`, when given, is
     called after each generation (the warm-up's included): the kit's turn, so that both sides
     are timed in the same minutes of a shared machine."""
@@ -214,17 +222,21 @@ def engine_timings(llm, batch_size: int, input_len: int, output_len: int, vocab_
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0,
                             detokenize=False)
     engine = llm.llm_engine
-    out = EngineTimings([], [], [])
+    out = EngineTimings([], [], [], [])
     for rep in range(repeats + 1):  # the first generation is a warm-up
         for i in range(batch_size):
-            ids = [rng.randrange(vocab_size) for _ in range(input_len)]
+            ids = prompts[i] if prompts else [rng.randrange(vocab_size) for _ in range(input_len)]
             engine.add_request(f"kit-{rep}-{i}", {"prompt_token_ids": ids}, params)
-        steps, tokens = [], []
+        steps, tokens, finished = [], [], {}
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
             outputs = engine.step()
             steps.append(time.perf_counter() - t0)
             tokens.append(sum(len(o.outputs[0].token_ids) for o in outputs))
+            finished.update({o.request_id: list(o.outputs[0].token_ids)
+                             for o in outputs if o.finished})
+        if not rep:
+            out.tokens.extend(finished[f"kit-0-{i}"] for i in range(batch_size))
         first = next(i for i, n in enumerate(tokens) if n >= batch_size) + 1
         if rep:
             out.decode_steps.extend(steps[first:])
@@ -261,11 +273,12 @@ def keep_torch_threads():
 
 def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
                decode: tuple[int, int, int] | None = None, vocab_size: int | None = None,
-               repeats: int = 10, echo_log: bool = False, between=None, **kwargs) -> EngineRun:
+               repeats: int = 10, echo_log: bool = False, between=None, prompts=None,
+               **kwargs) -> EngineRun:
     """Start `vllm.LLM` on `model_folder` (`mode` "eager" or "compiled"), read what it decided,
     time decode steps when `decode=(batch_size, input_len, output_len)` (calling `between()`
-    after each generation: see `engine_timings`), shut it down. `kwargs` go to
-    `engine_kwargs`. Never raises for vLLM's failures: see `EngineRun.error`."""
+    after each generation, feeding `prompts` when given: see `engine_timings`), shut it down.
+    `kwargs` go to `engine_kwargs`. Never raises for vLLM's failures: see `EngineRun.error`."""
     run = EngineRun(mode=mode, model=name or Path(model_folder).name)
     missing = vllm_missing()
     if missing:
@@ -288,8 +301,9 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
                 run.decode_batch_size, run.decode_input_len, run.decode_output_len = decode
                 timed = engine_timings(llm, batch_size, input_len, output_len,
                                        vocab_size or 1000, repeats, kwargs.get("seed", 0),
-                                       between)
-                run.decode_step_seconds, run.prefill_seconds, run.generation_seconds = timed
+                                       between, prompts)
+                (run.decode_step_seconds, run.prefill_seconds, run.generation_seconds,
+                 run.tokens) = timed
         except Exception as e:  # vLLM's own refusal: keep the message, drop the traceback
             run.error = fail_message(e)
             records.append(logging.makeLogRecord(
@@ -306,21 +320,25 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
 def run_settings(settings, mode: str, folder: Path | None = None, *, block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None, decode: bool = True,
                  repeats: int | None = None, echo_log: bool = False,
-                 profile_memory: bool = False, between=None) -> EngineRun:
+                 profile_memory: bool = False, between=None, weights: Path | None = None,
+                 prompts: list[list[int]] | None = None) -> EngineRun:
     """`run_engine` for the kit's `Settings`: the same model, dtype, batch and lengths;
     `block_size` and `kv_cache_memory_bytes` override the settings' (the chapter passes the same
     values to both sides). `repeats`: generations timed (None: about `DECODE_STEPS` decode steps
     in all). `profile_memory`: no fixed KV budget, so vLLM profiles the memory
-    and sizes the cache from gpu_memory_utilization (on a GPU; `EngineRun.memory`)."""
+    and sizes the cache from gpu_memory_utilization (on a GPU; `EngineRun.memory`).
+    `weights`: a checkpoint folder (`kit.engine.checkpoint.write_checkpoint`) vLLM loads instead
+    of dummy weights; `prompts`: the token ids every timed generation feeds."""
     arch = settings.arch
     if repeats is None:  # generations of output_len tokens: about DECODE_STEPS decode steps
         repeats = max(2, -(-DECODE_STEPS // max(1, settings.output_len - 1)))
     if profile_memory:
         settings = replace(settings, kv_cache_memory_bytes=None)
         kv_cache_memory_bytes = None
-    model = write_model_folder(arch, folder and Path(folder) / safe_name(arch.name))
+    model = weights or write_model_folder(arch, folder and Path(folder) / safe_name(arch.name))
     return run_engine(
         model, mode, name=arch.name, vocab_size=arch.vocab_size, repeats=repeats,
+        prompts=prompts, load_format="auto" if weights else "dummy",
         decode=(settings.batch_size, settings.input_len, settings.output_len) if decode else None,
         echo_log=echo_log, between=between, block_size=block_size or settings.block_size,
         max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,

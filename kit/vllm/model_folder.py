@@ -25,6 +25,13 @@ def cached_model_folder(arch) -> Path:
     return MODELS_CACHE / f"{safe_name(arch.name)}-{digest[:10]}"
 
 
+def weights_folder(arch, dtype: str, seed: int) -> Path:
+    """Where a side-by-side run writes the kit's own weights for vLLM to load: beside
+    `cached_model_folder`, as stable a path (vLLM's compile cache keys on it)."""
+    folder = cached_model_folder(arch)
+    return folder.with_name(f"{folder.name}-weights-{dtype}-seed{seed}")
+
+
 def write_model_folder(arch, folder: Path | None = None) -> Path:
     """A model folder holding only config.json (the kit's ModelConfig as Hugging Face writes it):
     all vLLM needs to build the model with dummy weights. Default: `cached_model_folder`."""
