@@ -263,8 +263,29 @@ def todays_checkpoint(family: str, folder, writer: str):
     return folder
 
 
-@pytest.mark.parametrize("writer", ["kit", "transformers"])
-@pytest.mark.parametrize("family", TODAYS)
+def test_the_kit_writes_every_familys_tensors_as_transformers_does(tmp_path):
+    """For every family below, `kit checkpoint` writes the tensors transformers writes: the same
+    names, shapes and dtypes (transformers loads the kit's and agrees: tests/test_checkpoint.py),
+    so vLLM reads both alike and the token test runs the kit's writer on a few families only."""
+    from safetensors import safe_open
+    for family in TODAYS:
+        written = {}
+        for writer in ("kit", "transformers"):
+            folder = todays_checkpoint(family, tmp_path / f"{family}-{writer}", writer)
+            with safe_open(str(folder / "model.safetensors"), "pt") as f:
+                written[writer] = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                                   for k in f.keys()}
+        assert written["kit"] == written["transformers"], family
+
+
+# The kit's writer beside transformers' on the families whose tensors it converts most: stacked
+# and interleaved experts (gpt-oss), Meta's RoPE pairs and shared experts (Llama 4), KV-shared
+# layers and per-layer inputs (Gemma 4); the others as transformers writes them.
+KIT_WRITTEN = ("qwen3", "gpt_oss", "llama4_text", "gemma4_text_moe")
+
+
+@pytest.mark.parametrize("family,writer", [(f, "transformers") for f in TODAYS] +
+                         [(f, "kit") for f in KIT_WRITTEN])
 def test_todays_families_token_for_token(tmp_path, family, writer):
     """vLLM on a Qwen3, Gemma 2, Gemma 3, windowed Mistral, gpt-oss, Qwen3-MoE, Mixtral or
     Gemma 4 checkpoint (the kit's or transformers'), float32, prompts of 5, 30 and 41 tokens past the
