@@ -143,28 +143,29 @@ def test_without_vllm_the_bridge_says_so():
 def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
     """The kit's side of the comparison: chapter 04's paged decode, one whole generation per
     turn (the first checked against the no-cache reference); with no engine taking turns,
-    `stop` times them alone."""
+    `stop` times them alone. The compiled mode first: its prefill compiles before any run."""
     from kit.studies.vllm_side_by_side import KitTurns
     settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
     turns = KitTurns(settings, KVCacheLayout.for_settings(settings))
-    eager = turns.start("eager")
-    turns.turn()
-    turns.stop(turns_alone=1)
-    assert eager.strategy == "eager" and eager.error is None
-    assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
-    assert all(s > 0 for s in eager.step_seconds)
-    assert len(eager.prefills) == len(eager.generations) == 2
-    assert 0 < eager.prefill_seconds < eager.end_to_end_seconds
-    assert sum(eager.generations) == pytest.approx(sum(eager.prefills) + sum(eager.step_seconds))
     compiled = turns.start("compiled")
     if settings.device == "cpu":  # one compiled prefill, built once, shared by the strategies
         assert turns.prefill is not None
         assert turns.shared_prefill.for_strategy("stock") is turns.prefill
     assert turns.shared_prefill.for_strategy("eager") is None
     turns.stop(turns_alone=1)
-    turns.close()
     assert compiled.strategy == "guard_free" and compiled.error is None
     assert compiled.compile_seconds > 0 and len(compiled.step_seconds) == 4
+    eager = turns.start("eager")
+    turns.turn()
+    turns.stop(turns_alone=1)
+    turns.close()
+    assert eager.strategy == "eager" and eager.error is None
+    assert len(eager.step_seconds) == 2 * (settings.output_len - 1)
+    assert all(s > 0 for s in eager.step_seconds)
+    assert len(eager.prefills) == len(eager.generations) == 2
+    assert 0 < eager.prefill_seconds < eager.end_to_end_seconds
+    assert sum(eager.generations) == pytest.approx(sum(eager.prefills) + sum(eager.step_seconds))
+    assert not turns.weights.exists()  # the weights vLLM would have loaded, removed
 
 
 def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):

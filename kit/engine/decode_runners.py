@@ -73,11 +73,13 @@ def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor
     """The prefill compiled for the CPU (None elsewhere: it stays eager), guard-free with the
     prompts' number and length dynamic (PREFILL_DYNAMIC) and the weights frozen, as the decode
     step's are: one graph serves every group of equal-length prompts. Built on the batch's
-    first group, written at any slots (a run's `start` resets the cache's bookkeeping)."""
+    first group, written at any slots (a run's `start` resets the cache's bookkeeping), its
+    layers bound to the batch's cache layout first (a compiled mode may run before any run)."""
     device = batch.kv_cache.device.type
     if device != "cpu":
         return None
     model.multiply_in(compiled_matmul_dtype(model, device))
+    model.bind_kv_cache(batch.layout)  # compiled before any run has bound it
     ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
     slots = torch.arange(ids.numel(), device=device).repeat(len(batch.groups), 1)
     return make_runner(prefill_function(model), "guard_free", device,
