@@ -183,3 +183,23 @@ def test_the_summed_attention_run_passes_the_replayed_check_in_bf16():
         run = generate(model, batch, prompts, 12)
     check = check_routed_against_no_cache(model, batch, prompts, run, "bfloat16")
     assert check.ok, (check.max_error, check.routing.summary())
+
+
+def test_the_compiled_prefill_notes_the_picks_it_made():
+    """`noting_picks` hears the CPU's compiled prefill as it hears eager code (an op of its own
+    in the graph), each noted tensor a copy: compiled code reuses the buffers it frees, and a
+    kept alias read the ones that came after (every pick noted as expert 1)."""
+    from kit.engine.decode_runners import prefill_runner
+    from kit.engine.layers.experts import noting_picks
+    a = moe_arch(layers=2, experts=8, k=2)
+    prompts = make_prompts([9, 9, 9], a.vocab_size, seed=3)
+    model, batch = run_of(a, prompts)
+    compiled = prefill_runner(model, batch, prompts)
+    noted = {}
+    for name, prefill in (("eager", None), ("compiled", compiled)):
+        with noting_picks() as noted[name]:
+            batch.start(model, prompts, prefill)
+    compiled.discard()
+    assert [layer for layer, _ in noted["compiled"]] == [0, 1]
+    for (_, eager), (_, got) in zip(noted["eager"], noted["compiled"]):
+        assert got.shape == (27, 2) and got.sort(-1).values.equal(eager.sort(-1).values)

@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
-        self.mlp = SparseMoE(arch) if moe else MLP(arch, layer_idx)
+        self.mlp = SparseMoE(arch, layer_idx) if moe else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
@@ -82,7 +82,7 @@ class Gemma4Layer(SandwichLayer):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.moe = None
         if arch.is_moe(layer_idx):  # experts beside the dense MLP, each output normed
-            self.moe = Gemma4MoE(arch)
+            self.moe = Gemma4MoE(arch, layer_idx)
             self.pre_feedforward_layernorm_2 = make_norm(arch)
             self.post_feedforward_layernorm_1 = make_norm(arch)
             self.post_feedforward_layernorm_2 = make_norm(arch)

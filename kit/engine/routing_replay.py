@@ -7,8 +7,9 @@ rounding, the run and the reference pick different experts for the token, and it
 differs by a whole expert's. Random weights in 16 bits put a few such near-ties in every run.
 
 So the reference of a model with experts routes every token as the paged run routed it:
-`record_routing` reruns the paged run eagerly, fed the run's own tokens, and keeps every MoE
-layer's picks at every position (its prompt's in the prefill, then one per step); the
+`record_routing` reruns the paged run, fed the run's own tokens, and keeps every MoE layer's
+picks at every position (`noting_picks`: its prompt's in the prefill, through the run's own
+prefill, compiled or not, then one per step, eagerly); the
 reference's routers then weigh those experts (`SparseMoE.picks(logits, ids)`) instead of their
 own top k. What is left is rounding, checked against the dtype's tolerance as for a dense model.
 
@@ -30,6 +31,7 @@ from kit.config import TOLERANCE
 from kit.engine.decode import (Correctness, PagedBatch, batch_for_run, check_against_no_cache,
                                generate, no_cache_logits, prefill_order, step_function)
 from kit.engine.expert_picks import moe_layers
+from kit.engine.layers.experts import noting_picks
 from kit.units import Count, Number
 
 
@@ -52,22 +54,21 @@ class Flips:
                 "largest_flip_gap": Number(max(self.gaps, default=0.0)), "ok": self.ok}
 
 
-def record_routing(model, batch: PagedBatch, prompts, run) -> list[list[torch.Tensor]]:
-    """Every MoE layer's picks at every position of each sequence of `run`, from an eager paged
-    rerun on a fresh cache fed the run's tokens: [sequence][MoE layer] -> ids [positions, k]."""
-    layers = [moe for _, moe in moe_layers(model)]
-    calls: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, every forward's ids
-    hooks = [moe.gate.register_forward_hook(
-        lambda mod, args, logits, j=j, moe=moe: calls[j].append(moe.picks(logits)[1].cpu()))
-        for j, moe in enumerate(layers)]
+def record_routing(model, batch: PagedBatch, prompts, run,
+                   prefill=None) -> list[list[torch.Tensor]]:
+    """Every MoE layer's picks at every position of each sequence of `run`, from a paged rerun
+    fed the run's tokens, its prefill through `prefill` (the run's own runner, on the run's
+    batch: a compiled prefill rounds otherwise than an eager one and may cross a near-tie;
+    None: eager, on a fresh cache), its steps eager:
+    [sequence][MoE layer] -> ids [positions, k]."""
     steps = len(run.step_seconds)
-    fresh = batch_for_run(batch.layout, batch.lengths, steps, batch.kv_cache.device.type)
-    try:
-        generate(model, fresh, prompts, steps, keep_logits=False,
-                 step=fed_step(step_function(model, fresh.max_context_len), run.tokens))
-    finally:
-        for h in hooks:
-            h.remove()
+    rerun = batch if prefill is not None else \
+        batch_for_run(batch.layout, batch.lengths, steps, batch.kv_cache.device.type)
+    with noting_picks() as noted:
+        generate(model, rerun, prompts, steps, keep_logits=False, prefill=prefill,
+                 step=fed_step(step_function(model, rerun.max_context_len), run.tokens))
+    layers = sorted({layer for layer, _ in noted})
+    calls = [[ids for layer, ids in noted if layer == j] for j in layers]  # per MoE layer
     return [[torch.cat([prefill_rows(ids, batch.lengths, i), *(s[i:i + 1] for s in
                         ids[len(set(batch.lengths)):])]) for ids in calls]
             for i in range(len(prompts))]
@@ -99,8 +100,8 @@ def replaying(model, routing: list[torch.Tensor], flips: Flips, ranked: list | N
     tensor per MoE layer), recording in `flips` where its own router would not have, and in
     `ranked` (when given) each layer's top k + 1 experts and gap at every position."""
     layers = [moe for _, moe in moe_layers(model)]
-    for j, (moe, ids) in enumerate(zip(layers, routing)):
-        moe.route = lambda x, moe=moe, ids=ids, j=j: replayed(moe, x, ids, flips, ranked)
+    for moe, ids in zip(layers, routing):
+        moe.route = lambda x, moe=moe, ids=ids: replayed(moe, x, ids, flips, ranked)
     try:
         yield
     finally:
@@ -125,14 +126,14 @@ def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips, ranked: list
     return moe.picks(logits, ids)
 
 
-def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run,
-                                  dtype: str) -> Correctness:
+def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run, dtype: str,
+                                  prefill=None) -> Correctness:
     """`check_against_no_cache`, its reference routed as `run` was where the model has experts
-    (`record_routing`, `explained_reference`), its flips in the result; a dense model's as it
-    is."""
+    (`record_routing`, the run's prefill through `prefill`, its runner; `explained_reference`),
+    its flips in the result; a dense model's as it is."""
     if not moe_layers(model):
         return check_against_no_cache(model, prompts, run, dtype)
-    routing = record_routing(model, batch, prompts, run)
+    routing = record_routing(model, batch, prompts, run, prefill)
     flips = Flips(TOLERANCE[dtype])
 
     def reference(i, prompt, fed):

@@ -28,6 +28,7 @@ from kit.vllm.concurrency import concurrency_curve
 from kit.vllm.engine_runs import DECODE_STEPS, MODES, EngineRun, run_settings
 from kit.vllm.installed import vllm_missing
 from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer, vllm_kv_sizing
+from kit.vllm.greedy import same_tokens
 from kit.vllm.model_folder import safe_name, weights_folder, write_model_folder
 from kit.units import Bytes, Count, Ratio, Seconds, parse_bytes, typed
 
@@ -199,12 +200,11 @@ def kit_strategy(mode: str, device: str) -> str:
 
 class KitTurns:
     """The kit's side of the decode comparison (chapter 04's paged decode), run in turns with
-    vLLM's engine, which loads the kit's weights (`weights`, written here) and feeds the kit's
-    prompts: with vLLM's dummy weights every token of an MoE picked the same experts (gpt-oss-
-    like: 4 of 32 per layer against the kit's 21), so the two sides read different bytes. `start(mode)` warms the mode's strategy up (compiling it, and on the CPU the
-    prefill for the compiled strategies), then each `turn()` runs and times one whole
-    generation (prefill, then `output_len - 1` steps), the first checked against the no-cache
-    reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
+    vLLM's engine, which loads the kit's weights (`weights`) and prompts (an MoE's bytes follow
+    its routing: on dummy weights vLLM's gpt-oss-like tokens all picked the same 4 of 32).
+    `start(mode)` warms the mode's strategy up (compiling it and, on the CPU, the prefill),
+    then each `turn()` runs and times one whole generation (prefill, then `output_len - 1`
+    steps), the first checked against the no-cache reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
     never raised (it runs inside vLLM's loop)."""
 
     def __init__(self, settings, layout: KVCacheLayout):
@@ -246,7 +246,7 @@ class KitTurns:
             if first:
                 decode.tokens = run.tokens.tolist()
                 check = check_routed_against_no_cache(self.model, self.batch, self.prompts,
-                                                      run, self.settings.dtype)
+                                                      run, self.settings.dtype, self.prefill)
                 if not check.ok:
                     decode.error = off_reference(check)
         except Exception as e:  # noqa: BLE001
@@ -361,8 +361,7 @@ class DecodeComparison:
                 "kit ÷ vLLM": _fmt(self.ratio, 2), "kit compile (s)": _fmt(self.kit_compile, 1),
                 "vLLM compile (s)": _fmt(self.vllm_compile, 1),
                 "vLLM start-up (s)": _fmt(self.vllm_startup, 1),
-                "same tokens": "n/a" if self.same_tokens is None else
-                "{:,}/{:,}".format(*self.same_tokens)}
+                "same tokens": "{:,}/{:,}".format(*self.same_tokens) if self.same_tokens else "n/a"}
 
     def end_to_end_row(self) -> dict:
         """The same requests end to end: prefill, then the whole generation."""
@@ -394,15 +393,6 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
             same_tokens(k.tokens, run.tokens) if k else None))
     return out
 
-
-def same_tokens(kit: list[list[int]], vllm: list[list[int]]) -> tuple[int, int] | None:
-    """(equal, of): the tokens the two sides generated for the same prompts from the same
-    weights, position by position (None when a side has none): all equal says both did the
-    same work; a greedy near-tie in bf16 may part them."""
-    if not kit or not vllm:
-        return None
-    pairs = [(a, b) for ks, vs in zip(kit, vllm) for a, b in zip(ks, vs)]
-    return sum(a == b for a, b in pairs), max(sum(map(len, kit)), sum(map(len, vllm)))
 
 
 def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) -> float | None:

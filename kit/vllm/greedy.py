@@ -55,3 +55,13 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
     logprobs = [[step[t].logprob for t, step in zip(toks, o.outputs[0].logprobs)]
                 for toks, o in zip(tokens, outs)]
     return GreedyRun(tokens, logprobs, after)
+
+
+def same_tokens(kit: list[list[int]], vllm: list[list[int]]) -> tuple[int, int] | None:
+    """(equal, of): the tokens the two sides generated for the same prompts from the same
+    weights, position by position (None when a side has none): all equal says both did the
+    same work; a greedy near-tie in bf16 may part them."""
+    if not kit or not vllm:
+        return None
+    pairs = [(a, b) for ks, vs in zip(kit, vllm) for a, b in zip(ks, vs)]
+    return sum(a == b for a, b in pairs), max(sum(map(len, kit)), sum(map(len, vllm)))

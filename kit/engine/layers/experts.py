@@ -28,6 +28,8 @@ parallel region, which on a 2-core machine cost 5-8x more than the bytes it read
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,6 +135,36 @@ def _(rows, weights, ends):
     return rows.new_empty(rows.shape[0], weights.shape[2])
 
 
+_NOTED: list | None = None  # while `noting_picks`: (layer, ids) of every routing, in order
+
+
+@torch.library.custom_op("kit::noted", mutates_args=())
+def noted(ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """`ids` (a copy), kept with `layer` while `noting_picks` is on. One opaque op, so compiled
+    code calls it too (the CPU's compiled prefill): how the routing check learns what a run's
+    own compiled code picked (`kit.engine.routing_replay`)."""
+    if _NOTED is not None:
+        _NOTED.append((layer, ids.to("cpu", copy=True)))  # compiled code reuses its buffer
+    return ids.clone()
+
+
+@noted.register_fake
+def _(ids, layer):
+    return torch.empty_like(ids)
+
+
+@contextmanager
+def noting_picks():
+    """`with noting_picks() as noted:` every MoE layer's picks while inside, as (its layer's
+    index in the model, ids [tokens, k]) in the order they ran."""
+    global _NOTED
+    _NOTED = []
+    try:
+        yield _NOTED
+    finally:
+        _NOTED = None
+
+
 def picks_per_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many (token, pick) pairs chose each expert, [E]: a fixed shape, so compiled code
     keeps one graph (`torch.bincount`'s shape depends on the ids, and Dynamo breaks there)."""
@@ -227,7 +259,7 @@ class SparseMoE(nn.Module):
     """The MLP of an MoE layer: the router (`gate`, a matrix [E, H], biased for gpt-oss), the
     experts, and (Llama 4) a shared expert every token runs, added to the routed ones' sum."""
 
-    def __init__(self, arch: ModelConfig):
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.top_k, self.renormalize = arch.num_experts_per_tok, arch.norm_topk_prob
         self.router = ROUTE[arch.parts.experts]
@@ -235,10 +267,13 @@ class SparseMoE(nn.Module):
         self.experts = Experts(arch)
         self.shared_expert = MLP(arch, intermediate_size=arch.shared_expert_intermediate_size) \
             if arch.parts.shared_expert else None
+        self.layer_idx = layer_idx  # the model's layer it is the MLP of (`noting_picks`)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's k experts: (weights float32, ids), [tokens, k] each."""
-        return self.picks(self.router_logits(x))
+        """Each token's k experts: (weights float32, ids), [tokens, k] each (the ids noted
+        while `noting_picks`)."""
+        weights, ids = self.picks(self.router_logits(x))
+        return weights, noted(ids, self.layer_idx)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits [tokens, E] for the hidden states `x`."""

@@ -25,8 +25,8 @@ class Gemma4MoE(SparseMoE):
     the experts. A `SparseMoE`, so the recording of picks (`kit.engine.expert_picks`) hooks
     its projection's logits as for every family (the scales do not change which k win)."""
 
-    def __init__(self, arch: ModelConfig):
-        super().__init__(arch)
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__(arch, layer_idx)
         self.scale = nn.Parameter(torch.empty(arch.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.empty(arch.num_experts))
         self.eps, self.root = arch.rms_norm_eps, arch.hidden_size ** -0.5
