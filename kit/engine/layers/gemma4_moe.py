@@ -22,8 +22,8 @@ from kit.engine.layers.norm import rms_normalize
 
 class Gemma4MoE(SparseMoE):
     """The router (`gate`: its projection [E, H], `scale` [H], `per_expert_scale` [E]) and
-    the experts. A `SparseMoE`, so the recording of picks (`kit.engine.expert_picks`) hooks
-    its projection's logits as for every family (the scales do not change which k win)."""
+    the experts. A `SparseMoE`, so its picks are noted as every family's are
+    (`kit.engine.layers.experts.noting_picks`)."""
 
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__(arch, layer_idx)
