@@ -178,6 +178,29 @@ def test_a_block_size_the_cpu_backend_refuses_gives_a_clear_message(tmp_path):
     assert not run.ok and "multiples of 32" in run.error and "Traceback" not in run.error
 
 
+def test_a_hybrids_specs_without_an_engine_are_the_engines(tmp_path):
+    """Granite 4's hybrid (3 Mamba-2 layers, 1 attention layer, NoPE), as transformers writes
+    its config: once the model is loaded the engine raises the attention block from the 32
+    asked to 160, so that an attention page holds a Mamba state, and pads the state's page to
+    it (`update_block_size_for_backend`). The kit's path to vLLM's specs, no engine, does the
+    same and gives the engine's specs, its Mamba states one per request with prefix caching
+    off (`mamba_cache_mode` "none", a block of max_model_len)."""
+    from transformers import GraniteMoeHybridConfig
+    GraniteMoeHybridConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=128,
+        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=64, mamba_n_groups=1,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        position_embedding_type="nope", architectures=["GraniteMoeHybridForCausalLM"],
+        torch_dtype="float32").save_pretrained(tmp_path)
+    run = run_engine(tmp_path, "eager", block_size=32, max_model_len=256, max_num_seqs=4,
+                     max_num_batched_tokens=256, dtype="float32", kv_cache_memory_bytes=2**26)
+    assert run.ok, run.error
+    assert run.block_size == 160 and run.specs_as_built
+    assert any("Setting attention block size to 160 tokens" in line for line in run.log)
+
+
 def test_vllm_on_a_kit_checkpoint_generates_the_kits_tokens(tmp_path):
     """vLLM loads a checkpoint the kit wrote (real weights, no dummy load) and, greedy in
     float32, generates exactly the kit's tokens; each token's log-probability agrees."""

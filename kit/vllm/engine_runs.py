@@ -142,7 +142,8 @@ def specs_without_engine(vc) -> dict:
     fresh = engine_config(Path(mc.model), block_size=cc.block_size,
                           kv_cache_dtype=cc.cache_dtype, max_model_len=mc.max_model_len,
                           dtype=str(mc.dtype).removeprefix("torch."),
-                          tensor_parallel_size=vc.parallel_config.tensor_parallel_size)
+                          tensor_parallel_size=vc.parallel_config.tensor_parallel_size,
+                          enable_prefix_caching=cc.enable_prefix_caching)
     return model_kv_specs(fresh)
 
 

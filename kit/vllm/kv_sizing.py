@@ -55,15 +55,19 @@ class VLLMKVSizing:
 def engine_config(model_folder: Path, *, block_size: int, kv_cache_dtype: str = "auto",
                   max_model_len: int, dtype: str = "auto", tensor_parallel_size: int = 1,
                   kv_cache_memory_bytes: int | None = None,
-                  max_num_batched_tokens: int | None = None):
-    """vLLM's `VllmConfig` for a model folder, built the way `LLM(...)` builds it."""
+                  max_num_batched_tokens: int | None = None,
+                  enable_prefix_caching: bool | None = None):
+    """vLLM's `VllmConfig` for a model folder, built the way `LLM(...)` builds it
+    (`enable_prefix_caching` None: vLLM's default; a hybrid's Mamba states are kept per block
+    with it, `mamba_cache_mode` "align", and one per request without, "none")."""
     from vllm.engine.arg_utils import EngineArgs
     return EngineArgs(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
                       block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len, dtype=dtype,
                       tensor_parallel_size=tensor_parallel_size,
                       kv_cache_memory_bytes=kv_cache_memory_bytes,
-                      max_num_batched_tokens=max_num_batched_tokens).create_engine_config()
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      enable_prefix_caching=enable_prefix_caching).create_engine_config()
 
 
 def resolve_layout(vllm_config, specs: dict) -> None:

@@ -101,10 +101,15 @@ def release(vllm_config) -> None:
 
 def model_kv_specs(vllm_config) -> dict:
     """vLLM's KV cache spec for every layer of the model `vllm_config` describes, built by
-    vLLM's model on the meta device (`build_on_meta`, `collect_specs`), then `release`d."""
+    vLLM's model on the meta device (`build_on_meta`), its block size then set as the engine
+    sets it once the model is loaded (`update_block_size_for_backend`, which for a hybrid of
+    attention and Mamba layers enlarges the attention block until a page holds a state),
+    collected (`collect_specs`), then `release`d."""
+    from vllm.platforms import current_platform
     vllm_config.compilation_config.static_forward_context.clear()
     try:
         build_on_meta(vllm_config)
+        current_platform.update_block_size_for_backend(vllm_config)  # as `UniProcExecutor`
         return per_rank(collect_specs(vllm_config), vllm_config)
     finally:
         release(vllm_config)
