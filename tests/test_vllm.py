@@ -380,7 +380,6 @@ def test_bench_vllm_times_both_sides_per_step_and_end_to_end(tmp_path, capsys):
     assert not (out / "vllm-tiny-compiled.log").exists()
     # vLLM loaded the kit's weights and fed its prompts: the same work, the same tokens
     assert result["decode"][0]["same tokens"] == "10/10"
-    assert [len(t) for t in vllm_side["tokens"]] == [5, 5]
     kit_step = statistics.median(kit_side["step_seconds"])
     assert result["best_step_ratio"] == pytest.approx(kit_step / vllm_side["decode_step_median"])
     assert "kit's best ÷ vLLM's best, end to end" in printed

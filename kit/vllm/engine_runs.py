@@ -102,7 +102,8 @@ class EngineRun:
 
     def summary(self) -> dict:
         """Numbers for `Recorder.record` (the log goes to a file, see `save_log`)."""
-        out = typed({k: v for k, v in asdict(self).items() if k != "log"}, RUN_QUANTITIES)
+        out = typed({k: v for k, v in asdict(self).items() if k not in ("log", "tokens")},
+                    RUN_QUANTITIES)  # token ids are no quantity: `same_tokens` compares them
         out.update(ok=self.ok, memory=self.memory, **Seconds.of({
             "decode_step_median": self.decode_step_median,
             "decode_step_spread": self.decode_step_spread, "prefill_median": self.prefill_median,
@@ -127,6 +128,7 @@ def engine_kwargs(model_folder: Path, mode: str, *, block_size: int, max_model_l
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     return dict(model=str(model_folder), load_format=load_format, skip_tokenizer_init=True,
+                use_tqdm_on_load=False,  # a checkpoint's load draws no progress bar
                 enforce_eager=mode == "eager", block_size=block_size,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
