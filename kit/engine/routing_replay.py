@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import TOLERANCE
-from kit.engine.decode import (Correctness, PagedBatch, batch_for_run, check_against_no_cache,
+from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache,
                                generate, no_cache_logits, prefill_order, step_function)
 from kit.engine.expert_picks import moe_layers
 from kit.engine.layers.experts import noting_picks
@@ -57,16 +57,13 @@ class Flips:
 def record_routing(model, batch: PagedBatch, prompts, run,
                    prefill=None) -> list[list[torch.Tensor]]:
     """Every MoE layer's picks at every position of each sequence of `run`, from a paged rerun
-    fed the run's tokens, its prefill through `prefill` (the run's own runner, on the run's
-    batch: a compiled prefill rounds otherwise than an eager one and may cross a near-tie;
-    None: eager, on a fresh cache), its steps eager:
-    [sequence][MoE layer] -> ids [positions, k]."""
+    of its batch fed the run's tokens, its prefill through `prefill` (the run's own runner, or
+    eager for None: a compiled prefill rounds otherwise than an eager one and may cross a
+    near-tie), its steps eager: [sequence][MoE layer] -> ids [positions, k]."""
     steps = len(run.step_seconds)
-    rerun = batch if prefill is not None else \
-        batch_for_run(batch.layout, batch.lengths, steps, batch.kv_cache.device.type)
     with noting_picks() as noted:
-        generate(model, rerun, prompts, steps, keep_logits=False, prefill=prefill,
-                 step=fed_step(step_function(model, rerun.max_context_len), run.tokens))
+        generate(model, batch, prompts, steps, keep_logits=False, prefill=prefill,
+                 step=fed_step(step_function(model, batch.max_context_len), run.tokens))
     layers = sorted({layer for layer, _ in noted})
     calls = [[ids for layer, ids in noted if layer == j] for j in layers]  # per MoE layer
     return [[torch.cat([prefill_rows(ids, batch.lengths, i), *(s[i:i + 1] for s in
