@@ -204,8 +204,8 @@ class KitTurns:
     its routing: on dummy weights vLLM's gpt-oss-like tokens all picked the same 4 of 32).
     `start(mode)` warms the mode's strategy up (compiling it and, on the CPU, the prefill),
     then each `turn()` runs and times one whole generation (prefill, then `output_len - 1`
-    steps), the first checked against the no-cache reference; `stop()` discards the runner. A failure is recorded in the mode's `error`,
-    never raised (it runs inside vLLM's loop)."""
+    steps), the first checked against the no-cache reference; `stop()` discards the runner.
+    A failure is recorded in the mode's `error`, never raised (it runs in vLLM's loop)."""
 
     def __init__(self, settings, layout: KVCacheLayout):
         self.settings, self.steps = settings, settings.output_len - 1
