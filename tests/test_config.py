@@ -71,9 +71,9 @@ def test_unsupported_family_is_refused(tmp_path):
         load(model=str(path))
 
 
-@pytest.mark.parametrize("family,need", [("deepseek_v2", "multi-head latent attention"),
+@pytest.mark.parametrize("family,need", [("kimi_k2", "multi-head latent attention"),
                                          ("dbrx", "mixture of experts"),
-                                         ("qwen3_next", "linear-attention")])
+                                         ("falcon_h1", "linear-attention")])
 def test_out_of_reach_kinds_are_refused_by_what_they_need(tmp_path, family, need):
     with pytest.raises(ConfigError, match=f"model_type '{family}' is not supported .*{need}"
                        r".*covers \['gemma', 'gemma2'"):

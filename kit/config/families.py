@@ -63,6 +63,9 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
+    # sized as vLLM sizes it (weights, the KV cache's specs and blocks: kit.config.cache_kinds)
+    # but not yet built by the decoder: latent attention, Mamba-2 and gated delta-net layers
+    sized_only: bool = False
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -97,6 +100,13 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
+    # Caches that are not K and V per head (kit.config.cache_kinds): sized, not run yet
+    "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True),
+    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True),
+    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True),
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -181,11 +191,11 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
-    "multi-head latent attention": ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3"),
+    "multi-head latent attention": ("kimi_k2", "minicpm3", "deepseek_v32"),
     "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe",
                            "minimax_m2"),
-    "state-space or linear-attention layers": ("mamba", "mamba2", "qwen3_next", "falcon_h1",
-                                               "bamba", "nemotron_h", "zamba2", "lfm2"),
+    "state-space or linear-attention layers": ("mamba", "mamba2", "falcon_h1", "bamba",
+                                               "zamba2", "lfm2", "qwen3_5_moe_text"),
 }
 # config.json keys that never change a forward pass's arithmetic (token ids, training-only
 # settings, bookkeeping); every other key is read (`ModelConfig.from_dict`) or refused by name.
@@ -258,21 +268,47 @@ def check_family(family, name: str) -> None:
     raise ConfigError(
         f"model {name!r}: model_type {family!r} is not supported"
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
-        f"decoder covers {sorted(FAMILIES)}: RMSNorm, RoPE, a gated MLP or experts routed "
+        f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
-        "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers.")
+        "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers; "
+        f"it sizes (not yet runs) {sized_only_families()}.")
 
 
-def check_keys(hf: dict, name: str) -> None:
-    """Every key of config.json is read, inert or at the one value the decoder builds; any
-    other is refused by name (a key ignored would run a model the user did not give)."""
-    known = READ_KEYS | INERT_KEYS | set(FIXED_KEYS)
+def runnable_families() -> list[str]:
+    """The model_types the decoder builds and runs."""
+    return sorted(f for f, parts in FAMILIES.items() if not parts.sized_only)
+
+
+def sized_only_families() -> list[str]:
+    """The model_types the kit sizes as vLLM does but does not run yet."""
+    return sorted(f for f, parts in FAMILIES.items() if parts.sized_only)
+
+
+def check_runnable(arch) -> None:
+    """Refuses, before any work, a run of a model the kit sizes but does not build."""
+    if arch.parts.sized_only:
+        raise ConfigError(
+            f"model {arch.name!r}: model_type {arch.family!r} keeps a cache that is not K and "
+            "V per head (latent attention or recurrent states); the kit sizes it exactly as "
+            "vLLM 0.32 does (chapter 02's calculator, `kv_cache_sizing.calculate(model=...)`) "
+            f"but does not run it yet. Runs take {runnable_families()}.")
+
+
+def check_unquantized(hf: dict, name: str) -> None:
+    """The kit sizes and builds unquantized weights: a quantization_config is refused."""
     if "quantization_config" in hf:
         method = (hf["quantization_config"] or {}).get("quant_method", "?")
         raise ConfigError(
             f"model {name!r}: config.json has quantization_config (quant_method {method!r}); "
             "the kit builds the unquantized model (bf16 weights): drop the quantization_config "
             "key from config.json to size or run it so.")
+
+
+def check_keys(hf: dict, name: str) -> None:
+    """Every key of config.json is read, inert or at the one value the decoder builds; any
+    other is refused by name (a key ignored would run a model the user did not give)."""
+    known = READ_KEYS | INERT_KEYS | set(FIXED_KEYS)
+    check_unquantized(hf, name)
     if hf["model_type"] == "gpt_oss":
         known |= GPT_OSS_KEYS
     elif hf["model_type"] == "llama4_text":

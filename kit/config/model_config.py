@@ -6,11 +6,11 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kit.config.cache_kinds import LINEAR, MLP_ONLY, Recurrent, sized_only_fields
 from kit.config.data import MODELS_DIR, known_names
 from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
-                                 Parts, check_family, check_keys, experts_of, layer_types,
-                                 mlp_kinds, rope,
-                                 with_family_defaults)
+                                 Parts, check_family, check_keys, check_unquantized, experts_of,
+                                 layer_types, mlp_kinds, rope, with_family_defaults)
 from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
 from kit.config.llama4 import llama4_fields, llama4_keys
@@ -72,11 +72,26 @@ class ModelConfig(ParameterCounts):
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
     use_double_wide_mlp: bool = False
+    # Caches that are not K and V per head (kit.config.cache_kinds; sized, not run yet):
+    # latent attention's latent and rotary key per token (DeepSeek; the weights also read the
+    # query's, the non-rotary key's and the value's head sizes), and the recurrent layers'
+    # state (LINEAR in layer_types); `source_config`: the user's config.json, given to vLLM
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int | None = None
+    recurrent: Recurrent | None = None
+    source_config: str = ""
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
         family = hf.get("model_type")
         check_family(family, name)
+        if FAMILIES[family].sized_only:
+            check_unquantized(hf, name)
+            return cls(name=name, family=family, checkpoint=checkpoint,
+                       **sized_only_fields(hf, family, name))
         check_keys(hf, name)
         hf = with_family_defaults(hf, family)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -156,7 +171,8 @@ class ModelConfig(ParameterCounts):
         return FAMILIES[self.family]
 
     def attention_kind(self, layer: int) -> str:
-        """FULL or SLIDING: what layer `layer` attends to."""
+        """FULL, SLIDING or CHUNKED: what layer `layer` attends to; LINEAR for a recurrent
+        layer and MLP_ONLY for a layer without a mixer (Nemotron-H)."""
         return self.layer_types[layer] if self.layer_types else FULL
 
     def chunk(self, layer: int) -> int | None:
@@ -215,8 +231,19 @@ class ModelConfig(ParameterCounts):
         return sources[-1]
 
     def has_kv_cache(self, layer: int) -> bool:
-        """Whether layer `layer` writes keys and values of its own (a KV cache spec)."""
-        return self.kv_source(layer) == layer
+        """Whether layer `layer` keeps a cache of its own (a KV cache spec): keys and values,
+        a latent or a recurrent state; not an MLP-only layer, nor one reading another's."""
+        return self.attention_kind(layer) != MLP_ONLY and self.kv_source(layer) == layer
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether layer `layer` keeps a recurrent state (Mamba-2, a gated delta-net)."""
+        return self.attention_kind(layer) == LINEAR
+
+    @property
+    def latent_size(self) -> int:
+        """What a latent attention layer keeps per token: kv_lora_rank + qk_rope_head_dim
+        elements (0: the layers keep keys and values per head)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.kv_lora_rank else 0
 
     def has_v_proj(self, layer: int) -> bool:
         """Whether layer `layer` projects V (Gemma 4's attention_k_eq_v full layers reuse K's)."""
@@ -235,7 +262,9 @@ class ModelConfig(ParameterCounts):
 
     def hf_dict(self) -> dict:
         """The config.json that vLLM or transformers would read for this architecture (Gemma
-        4's RoPE in `rope_parameters` alone: `gemma4_keys`)."""
+        4's RoPE in `rope_parameters` alone: `gemma4_keys`; a family sized only: the user's)."""
+        if self.source_config:
+            return json.loads(self.source_config)
         keys = {
             "architectures": [self.parts.architecture], "model_type": self.family,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -362,6 +391,9 @@ def with_layer_pattern(arch: ModelConfig, full_every: int | None,
     `sliding_window` tokens (its own window when None); `full_every` 0 keeps its layers."""
     if full_every == 0:
         return arch
+    if arch.parts.sized_only:
+        raise ConfigError(f"model {arch.name!r}: its layers are not all attention "
+                          f"({arch.family}); a layer pattern applies to attention layers only")
     window = sliding_window or arch.sliding_window or 4096
     kinds = tuple(FULL if full_every and (i + 1) % full_every == 0 else SLIDING
                   for i in range(arch.num_hidden_layers))

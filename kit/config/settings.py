@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
+from kit.config.families import check_runnable
 from kit.config.model_config import ModelConfig
 from kit.errors import ConfigError, brief_in_notebooks
 from kit.units import Bytes, Count, Fraction, parse_bytes
@@ -105,6 +106,7 @@ class Settings:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                               "(0, 1]: it is the fraction of device memory the engine may use")
         arch = ModelConfig.load(self.model)
+        check_runnable(arch)
         object.__setattr__(self, "arch", arch)
         if self.max_model_len > arch.max_position_embeddings:
             raise ConfigError(f"max_model_len={self.max_model_len} is beyond {arch.name}'s "

@@ -24,8 +24,10 @@ import math
 from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
+from kit.engine.cache_kinds import BackendTraits, align_hybrid, latent_spec, state_spec
 from kit.engine.kv_groups import KVCacheGroup, kv_cache_groups
-from kit.engine.kv_specs import KVCacheSpec, attention_spec, unify_page_sizes
+from kit.engine.kv_specs import (AttentionSpec, KVCacheSpec, MambaSpec, attention_spec,
+                                 unify_page_sizes)
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, Ratio
 
@@ -60,6 +62,22 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, num_kv_heads // tensor_parallel_size)
 
 
+def layer_spec(arch, layer: int, block_size: int, model_dtype: str, dtype_bytes: int,
+               tensor_parallel_size: int, device: str | None,
+               traits: BackendTraits) -> KVCacheSpec:
+    """Layer `layer`'s spec: a recurrent state, a latent, or keys and values per head over
+    its window, chunk or every position (`kit.engine.kv_specs`, `kit.engine.cache_kinds`)."""
+    if arch.is_recurrent(layer):
+        return state_spec(arch, block_size, DTYPE_BYTES[model_dtype], tensor_parallel_size,
+                          traits)
+    if arch.latent_size:
+        return latent_spec(arch, block_size, dtype_bytes, traits)
+    window = arch.window(layer)
+    return attention_spec(window, cache_block_size(block_size, window, device),
+                          kv_heads_per_rank(arch.layer_kv_heads(layer), tensor_parallel_size),
+                          arch.layer_head_dim(layer), dtype_bytes, arch.chunk(layer))
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """One rank's KV cache before its size is known: a spec per layer, grouped as vLLM groups
@@ -73,28 +91,31 @@ class KVCacheLayout:
     # (layer, the layer whose cache it reads) for layers with no cache of their own (Gemma 4's
     # KV-shared layers: vLLM gives them no spec, so they cost no bytes)
     shared: tuple[tuple[int, int], ...] = ()
+    # what vLLM logs as it sizes this layout (a hybrid's enlarged block and padded states)
+    notes: tuple[str, ...] = ()
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
                   tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheLayout":
         """`arch`'s layers at `block_size`; `device` "cpu": at the blocks vLLM's CPU attention
-        takes (`cache_block_size`). Each layer with a cache of its own gets a spec of its
-        window, KV heads and head size (Gemma 4's full layers have their own), their pages
-        made one size as vLLM makes them (`unify_page_sizes`); a layer reading another's cache
-        gets none."""
+        takes (`cache_block_size`). Each layer with a cache of its own gets a spec
+        (`layer_spec`: its window, KV heads and head size, or its latent, or its recurrent
+        state), a hybrid's block raised until a page holds a state (`align_hybrid`), their
+        pages made one size as vLLM makes them (`unify_page_sizes`); a layer reading another's
+        cache, or without a mixer, gets none."""
         check_tensor_parallel(arch, tensor_parallel_size)
         check_kv_cache_dtype(kv_cache_dtype)
-        layers = tuple(i for i in range(arch.num_hidden_layers) if arch.has_kv_cache(i))
+        n, traits = arch.num_hidden_layers, BackendTraits.for_device(device)
+        layers = tuple(i for i in range(n) if arch.has_kv_cache(i))
         cache_dtype = model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
         dtype_bytes = KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
-        specs = unify_page_sizes(tuple(
-            attention_spec(arch.window(i), cache_block_size(block_size, arch.window(i), device),
-                           kv_heads_per_rank(arch.layer_kv_heads(i), tensor_parallel_size),
-                           arch.layer_head_dim(i), dtype_bytes, arch.chunk(i)) for i in layers))
-        shared = tuple((i, arch.kv_source(i)) for i in range(arch.num_hidden_layers)
-                       if i not in layers)
+        specs, notes = align_hybrid(tuple(
+            layer_spec(arch, i, block_size, model_dtype, dtype_bytes, tensor_parallel_size,
+                       device, traits) for i in layers), block_size, traits)
+        specs = unify_page_sizes(specs)
+        shared = tuple((i, arch.kv_source(i)) for i in range(n) if arch.kv_source(i) != i)
         return cls(kv_cache_groups(specs, layers), min(s.block_size for s in specs),
-                   block_size, cache_dtype, kv_cache_dtype, shared)
+                   block_size, cache_dtype, kv_cache_dtype, shared, notes)
 
     @classmethod
     def for_settings(cls, settings) -> "KVCacheLayout":

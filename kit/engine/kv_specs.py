@@ -10,8 +10,8 @@ Every spec answers the same questions, in vLLM's names:
     tokens_read                cached tokens a decode step reads for a context of n tokens
 
 A kind of layer is one class here (full attention, a sliding window, Llama 4's chunked local
-attention; vLLM also has latent attention, Mamba states and layers sharing another's cache):
-the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the block tables
+attention, DeepSeek's latent attention, the recurrent state of a Mamba-2 or gated delta-net
+layer; layers sharing another's cache have none): the groups (`kit.engine.kv_groups`), the cache (`kit.engine.kv_cache`), the block tables
 (`kit.engine.block_manager`) and the roofline ask the spec, never the model config.
 """
 from __future__ import annotations
@@ -140,6 +140,60 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def describe(self) -> str:
         return f"chunk {self.attention_chunk_size:,}"
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek V2/V3, Kimi K2): every token keeps one compressed
+    latent of kv_lora_rank elements and one rotary key of qk_rope_head_dim, shared by all
+    heads, and no V of its own (vLLM's `MLAAttentionSpec`: one "head" of head_size =
+    kv_lora_rank + qk_rope_head_dim, `head_size_v` 0): head_size × dtype bytes a token."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def describe(self) -> str:
+        return "latent attention"
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A recurrent layer (Mamba-2, a gated delta-net): a fixed state per request, whatever
+    its length, a convolution's last inputs and the temporal state (vLLM's `MambaSpec`;
+    `state_bytes`: both, one request, one rank). Its page is one state, padded to the
+    attention layers' page in a hybrid (`kit.engine.cache_kinds.align_hybrid`). With prefix
+    caching (vLLM's `mamba_cache_mode` "align") a request holds 2 states, the running one and
+    the last block boundary's, plus `checkpoint_blocks` (Mamba-2 keeps one more for its
+    prefill); without ("none") it holds 1. Nothing grows with the tokens: bytes_per_token 0."""
+
+    state_bytes: int
+    kind: str = "mamba2"          # "mamba2" or "gated_delta_net"
+    cache_mode: str = "align"     # "align" with prefix caching, else "none"
+    checkpoint_blocks: int = 0
+    page_size_padded: int | None = field(default=None, kw_only=True)
+    sliding_window = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 0
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded or self.state_bytes
+
+    @property
+    def states_per_request(self) -> int:
+        return 2 + self.checkpoint_blocks if self.cache_mode == "align" else 1
+
+    def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
+        return self.states_per_request * self.page_size_bytes
+
+    def tokens_read(self, context_len: int) -> int:
+        return 0
+
+    def describe(self) -> str:
+        return {"mamba2": "Mamba-2 state", "gated_delta_net": "gated delta-net state"}[self.kind]
 
 
 def attention_spec(window: int | None, block_size: int, num_kv_heads: int, head_size: int,
