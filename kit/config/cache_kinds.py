@@ -100,7 +100,7 @@ def recurrent_of(hf: dict, family: str) -> Recurrent | None:
         heads, head_dim = hf.get("linear_num_value_heads", 32), hf.get("linear_value_head_dim", 128)
         return Recurrent("gated_delta_net", hf.get("linear_conv_kernel_dim", 4), heads, head_dim,
                          hf.get("linear_key_head_dim", 128), hf.get("linear_num_key_heads", 16),
-                         heads * head_dim)
+                         heads * head_dim, hf.get("mamba_ssm_dtype"))  # Qwen3.5's key
     return None
 
 

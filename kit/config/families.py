@@ -284,15 +284,6 @@ def sized_only_families() -> list[str]:
     return sorted(f for f, parts in FAMILIES.items() if parts.sized_only)
 
 
-def check_runnable(arch) -> None:
-    """Refuses, before any work, a run of a model the kit sizes but does not build."""
-    if arch.parts.sized_only:
-        raise ConfigError(
-            f"model {arch.name!r}: model_type {arch.family!r} keeps a cache that is not K and "
-            "V per head (latent attention or recurrent states); the kit sizes it exactly as "
-            "vLLM 0.32 does (chapter 02's calculator, `kv_cache_sizing.calculate(model=...)`) "
-            f"but does not run it yet. Runs take {runnable_families()}.")
-
 
 def check_unquantized(hf: dict, name: str) -> None:
     """The kit sizes and builds unquantized weights: a quantization_config is refused."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
-from kit.config.families import check_runnable
+from kit.config.families import runnable_families
 from kit.config.model_config import ModelConfig
 from kit.errors import ConfigError, brief_in_notebooks
 from kit.units import Bytes, Count, Fraction, parse_bytes
@@ -31,6 +31,16 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8
 STRATEGIES = ("eager", "stock", "guard_free", "bytecode_hook", "cuda_graphs")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                  "float": "float32"}
+
+
+def check_runnable(arch) -> None:
+    """Refuses, before any work, a run of a model the kit sizes but does not build."""
+    if arch.parts.sized_only:
+        raise ConfigError(
+            f"model {arch.name!r}: model_type {arch.family!r} keeps a cache that is not K and "
+            "V per head (latent attention or recurrent states); the kit sizes it exactly as "
+            "vLLM 0.32 does (chapter 02's calculator, `kv_cache_sizing.calculate(model=...)`) "
+            f"but does not run it yet. Runs take {runnable_families()}.")
 
 
 def check_tensor_parallel(arch: ModelConfig, tensor_parallel_size: int) -> None:

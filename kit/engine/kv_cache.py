@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
-from kit.engine.cache_kinds import BackendTraits, align_hybrid, latent_spec, state_spec
+from kit.engine.hybrid_cache import BackendTraits, align_hybrid, latent_spec, state_spec
 from kit.engine.kv_groups import KVCacheGroup, kv_cache_groups
 from kit.engine.kv_specs import (AttentionSpec, KVCacheSpec, MambaSpec, attention_spec,
                                  unify_page_sizes)
@@ -63,13 +63,13 @@ def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def layer_spec(arch, layer: int, block_size: int, model_dtype: str, dtype_bytes: int,
-               tensor_parallel_size: int, device: str | None,
-               traits: BackendTraits) -> KVCacheSpec:
+               tensor_parallel_size: int, device: str | None, traits: BackendTraits,
+               prefix_caching: bool = True) -> KVCacheSpec:
     """Layer `layer`'s spec: a recurrent state, a latent, or keys and values per head over
-    its window, chunk or every position (`kit.engine.kv_specs`, `kit.engine.cache_kinds`)."""
+    its window, chunk or every position (`kit.engine.kv_specs`, `kit.engine.hybrid_cache`)."""
     if arch.is_recurrent(layer):
         return state_spec(arch, block_size, DTYPE_BYTES[model_dtype], tensor_parallel_size,
-                          traits)
+                          traits, prefix_caching)
     if arch.latent_size:
         return latent_spec(arch, block_size, dtype_bytes, traits)
     window = arch.window(layer)
@@ -96,13 +96,15 @@ class KVCacheLayout:
 
     @classmethod
     def for_model(cls, arch, block_size: int, model_dtype: str, kv_cache_dtype: str = "auto",
-                  tensor_parallel_size: int = 1, device: str | None = None) -> "KVCacheLayout":
+                  tensor_parallel_size: int = 1, device: str | None = None,
+                  prefix_caching: bool = True) -> "KVCacheLayout":
         """`arch`'s layers at `block_size`; `device` "cpu": at the blocks vLLM's CPU attention
         takes (`cache_block_size`). Each layer with a cache of its own gets a spec
         (`layer_spec`: its window, KV heads and head size, or its latent, or its recurrent
         state), a hybrid's block raised until a page holds a state (`align_hybrid`), their
         pages made one size as vLLM makes them (`unify_page_sizes`); a layer reading another's
-        cache, or without a mixer, gets none."""
+        cache, or without a mixer, gets none. `prefix_caching` (vLLM's default, on) keeps a
+        recurrent layer's states as its `mamba_cache_mode` "align" does."""
         check_tensor_parallel(arch, tensor_parallel_size)
         check_kv_cache_dtype(kv_cache_dtype)
         n, traits = arch.num_hidden_layers, BackendTraits.for_device(device)
@@ -111,7 +113,7 @@ class KVCacheLayout:
         dtype_bytes = KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
         specs, notes = align_hybrid(tuple(
             layer_spec(arch, i, block_size, model_dtype, dtype_bytes, tensor_parallel_size,
-                       device, traits) for i in layers), block_size, traits)
+                       device, traits, prefix_caching) for i in layers), block_size, traits)
         specs = unify_page_sizes(specs)
         shared = tuple((i, arch.kv_source(i)) for i in range(n) if arch.kv_source(i) != i)
         return cls(kv_cache_groups(specs, layers), min(s.block_size for s in specs),

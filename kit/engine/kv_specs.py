@@ -162,7 +162,7 @@ class MambaSpec(KVCacheSpec):
     """A recurrent layer (Mamba-2, a gated delta-net): a fixed state per request, whatever
     its length, a convolution's last inputs and the temporal state (vLLM's `MambaSpec`;
     `state_bytes`: both, one request, one rank). Its page is one state, padded to the
-    attention layers' page in a hybrid (`kit.engine.cache_kinds.align_hybrid`). With prefix
+    attention layers' page in a hybrid (`kit.engine.hybrid_cache.align_hybrid`). With prefix
     caching (vLLM's `mamba_cache_mode` "align") a request holds 2 states, the running one and
     the last block boundary's, plus `checkpoint_blocks` (Mamba-2 keeps one more for its
     prefill); without ("none") it holds 1. Nothing grows with the tokens: bytes_per_token 0."""

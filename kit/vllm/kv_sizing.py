@@ -18,6 +18,7 @@ from kit.vllm.installed import vllm_missing
 from kit.vllm.log import captured_vllm_log, fail_message, logged_once
 from kit.vllm.model_folder import safe_name, write_model_folder
 from kit.vllm.model_specs import model_kv_specs
+from kit.vllm.stand_ins import torchvision_stand_in
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ def engine_config(model_folder: Path, *, block_size: int, kv_cache_dtype: str = 
     (`enable_prefix_caching` None: vLLM's default; a hybrid's Mamba states are kept per block
     with it, `mamba_cache_mode` "align", and one per request without, "none")."""
     from vllm.engine.arg_utils import EngineArgs
+    torchvision_stand_in(model_folder)  # Qwen3.5's module imports it (`kit.vllm.stand_ins`)
     return EngineArgs(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
                       block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len, dtype=dtype,

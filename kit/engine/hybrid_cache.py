@@ -71,12 +71,14 @@ def latent_spec(arch, block_size: int, dtype_bytes: int, traits: BackendTraits) 
 
 def state_dtype_bytes(arch, model_dtype_bytes: int, traits: BackendTraits) -> tuple[int, int]:
     """(conv state, SSM state) bytes per element: the model's dtype for the convolution; the
-    SSM state's config.json setting (Nemotron-H: float32 unless said), else the model's,
-    float32 on a CPU with AVX-512 BF16 (`MambaStateDtypeCalculator`)."""
+    SSM state's config.json setting (Nemotron-H's mamba_ssm_cache_dtype, float32 unless said;
+    Qwen3.5's mamba_ssm_dtype), else the model's; float32 on a CPU with AVX-512 BF16, but for
+    a delta-net's state set to 16 bits (`MambaStateDtypeCalculator`, then the CPU platform)."""
     named = {"float32": 4, "bfloat16": 2, "float16": 2}
-    if traits.ssm_float32:
+    rec = arch.recurrent
+    if traits.ssm_float32 and not (rec.kind == "gated_delta_net" and named.get(rec.ssm_dtype) == 2):
         return model_dtype_bytes, 4
-    return model_dtype_bytes, named.get(arch.recurrent.ssm_dtype, model_dtype_bytes)
+    return model_dtype_bytes, named.get(rec.ssm_dtype, model_dtype_bytes)
 
 
 def state_spec(arch, block_size: int, model_dtype_bytes: int, tensor_parallel_size: int,
