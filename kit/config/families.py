@@ -271,18 +271,12 @@ def check_family(family, name: str) -> None:
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
         "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers; "
-        f"it sizes (not yet runs) {sized_only_families()}.")
+        f"it sizes (not yet runs) {runnable_families(sized_only=True)}.")
 
 
-def runnable_families() -> list[str]:
-    """The model_types the decoder builds and runs."""
-    return sorted(f for f, parts in FAMILIES.items() if not parts.sized_only)
-
-
-def sized_only_families() -> list[str]:
-    """The model_types the kit sizes as vLLM does but does not run yet."""
-    return sorted(f for f, parts in FAMILIES.items() if parts.sized_only)
-
+def runnable_families(sized_only: bool = False) -> list[str]:
+    """The model_types the decoder builds and runs (`sized_only`: those it only sizes)."""
+    return sorted(f for f, parts in FAMILIES.items() if parts.sized_only == sized_only)
 
 
 def check_unquantized(hf: dict, name: str) -> None:
