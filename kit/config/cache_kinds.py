@@ -207,7 +207,7 @@ def sized_only_fields(hf: dict, family: str, name: str) -> dict:
         "tie_word_embeddings": family in TIED_FAMILIES and bool(hf.get("tie_word_embeddings")),
         "attention_bias": bool(hf.get("qkv_bias") if family.startswith("qwen3") else
                                family == "granitemoehybrid" and hf.get("attention_bias")),
-        "attn_output_gate": family.startswith("qwen3") and hf.get("attn_output_gate", True),
+        "attn_output_gate": family.startswith("qwen3") and bool(hf.get("attn_output_gate", True)),
         "torch_dtype": hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
         "layer_types": kinds, "recurrent": recurrent_of(hf, family),
         "source_config": json.dumps(source, sort_keys=True),

@@ -149,7 +149,7 @@ def num_parameters(arch) -> int:
     return arch.linear_weights() + embed + vectors + arch.hidden_size
 
 
-def mlp_live_elements(arch, layer: int) -> int:
+def mlp_peak_elements(arch, layer: int) -> int:
     """Elements one token holds at the peak of layer `layer`'s MLP: none; a dense MLP's
     outputs and activated product (3 × I gated, 2 × I for Nemotron-H's up and relu²); the k
     routed rows of vLLM's fused-experts workspace (a gate-and-up row, 2 × or 1 × I, sharing

@@ -5,7 +5,7 @@ device must hold exactly as many (tests/test_config.py, tests/test_experts_sizin
 families sized but not run count their mixers and MLPs in `kit.config.cache_kinds_counts`."""
 from __future__ import annotations
 
-from kit.config import cache_kinds_counts as sized
+import kit.config.cache_kinds_counts as sized
 
 
 class ParameterCounts:

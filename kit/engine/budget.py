@@ -83,9 +83,9 @@ def mlp_live_elements(arch, layer: int) -> int:
     rows in vLLM's fused-experts workspace (`fused_experts_impl`), each a gate-and-up row of
     2 × moe_intermediate_size sharing its memory with the row's down output (hidden_size),
     beside its activated row (moe_intermediate_size). A family sized only: its own
-    (`kit.config.cache_kinds_counts.mlp_live_elements`)."""
+    (`kit.config.cache_kinds_counts.mlp_peak_elements`)."""
     if arch.parts.sized_only:
-        return sized.mlp_live_elements(arch, layer)
+        return sized.mlp_peak_elements(arch, layer)
     if not arch.is_moe(layer):
         return 3 * arch.layer_intermediate_size(layer)  # (Gemma 4 doubles some layers')
     i = arch.moe_intermediate_size
