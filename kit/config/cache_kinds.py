@@ -28,6 +28,27 @@ LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": "full_attention", "moe": MLP
 NEMOTRON_PATTERN = {"M": LINEAR, "*": "full_attention", "-": MLP_ONLY, "E": MLP_ONLY}
 LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 STATE_FAMILIES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text")
+# What each family's transformers config class assumes for a key config.json leaves out, where
+# the reading below would assume otherwise (vLLM reads configs through those classes too).
+SIZED_DEFAULTS = {
+    "deepseek_v2": {"q_lora_rank": 1536, "n_routed_experts": 64, "n_shared_experts": 2},
+    "deepseek_v3": {"q_lora_rank": 1536, "n_routed_experts": 256, "n_shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_k_dense_replace": 3,
+                    "num_experts_per_tok": 8, "norm_topk_prob": True, "num_key_value_heads": 128},
+    "granitemoehybrid": {"num_local_experts": 8, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 1024, "mamba_conv_bias": True},
+    "nemotron_h": {"num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504,
+                   "n_routed_experts": 8, "moe_intermediate_size": 7688,
+                   "moe_shared_expert_intermediate_size": 7688, "num_experts_per_tok": 2,
+                   "norm_topk_prob": True, "use_conv_bias": True},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5632,
+                   "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                   "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
+    "qwen3_5_text": {"num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288},
+}
+# vLLM's models of these families build a separate LM head even where config.json ties it
+# (DeepseekV2ForCausalLM, NemotronHForCausalLM, Qwen3NextForCausalLM): only these two tie.
+TIED_FAMILIES = ("granitemoehybrid", "qwen3_5_text")
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,8 @@ class Recurrent:
     groups: int        # Mamba-2's n_groups (B and C), or a delta-net's key heads
     inner: int         # the mixer's width: heads × head_dim
     ssm_dtype: str | None = None  # the temporal state's dtype where config.json sets it
+    conv_bias: bool = False  # the convolution's bias (Mamba-2's conv_bias)
+    proj_bias: bool = False  # the input and output projections' biases (Mamba-2's)
 
     def groups_per_rank(self, tp: int) -> int:
         """Mamba-2's groups, extended so every rank holds whole ones (vLLM's
@@ -90,12 +113,16 @@ def recurrent_of(hf: dict, family: str) -> Recurrent | None:
         head_dim = hf.get("mamba_d_head", "auto")
         return Recurrent("mamba2", hf.get("mamba_d_conv", 4), heads,
                          inner // heads if head_dim == "auto" else head_dim,
-                         hf.get("mamba_d_state", 256), hf.get("mamba_n_groups", 1), inner)
+                         hf.get("mamba_d_state", 256), hf.get("mamba_n_groups", 1), inner,
+                         conv_bias=bool(hf.get("mamba_conv_bias")),
+                         proj_bias=bool(hf.get("mamba_proj_bias")))
     if family == "nemotron_h":
         heads, head_dim = hf.get("mamba_num_heads", 128), hf.get("mamba_head_dim", 64)
         return Recurrent("mamba2", hf.get("conv_kernel", 4), heads, head_dim,
                          hf.get("ssm_state_size", 128), hf.get("n_groups", 8), heads * head_dim,
-                         hf.get("mamba_ssm_cache_dtype") or "float32")
+                         hf.get("mamba_ssm_cache_dtype") or "float32",
+                         conv_bias=bool(hf.get("use_conv_bias")),
+                         proj_bias=bool(hf.get("use_bias")))
     if family in ("qwen3_next", "qwen3_5_text"):
         heads, head_dim = hf.get("linear_num_value_heads", 32), hf.get("linear_value_head_dim", 128)
         return Recurrent("gated_delta_net", hf.get("linear_conv_kernel_dim", 4), heads, head_dim,
@@ -119,13 +146,16 @@ def experts_fields(hf: dict, family: str, kinds: tuple) -> dict:
     elif family == "granitemoehybrid":
         routed, size = hf.get("num_local_experts"), hf["intermediate_size"]
         mlp, shared = ("experts" if routed else "dense",) * n, hf.get("shared_intermediate_size", 0)
+        if not routed:  # its one MLP is the shared one (vLLM builds none when that is 0 wide)
+            return {"mlp_kinds": mlp if shared else ("none",) * n, "intermediate_size": shared}
     elif family == "nemotron_h":
         routed, size = hf.get("n_routed_experts"), hf.get("moe_intermediate_size", 0)
         raw = hf.get("layers_block_type") or [
             {"E": "moe"}.get(c, c) for c in hf.get("hybrid_override_pattern", "")]
         mlp = tuple("experts" if t == "moe" else "dense" if k == MLP_ONLY else "none"
                     for t, k in zip(raw or kinds, kinds))
-        shared = hf.get("moe_shared_expert_intermediate_size", 0) if "experts" in mlp else 0
+        shared = (hf.get("moe_shared_expert_intermediate_size") or 0) * (hf.get(
+            "n_shared_experts", 1) or 0) if "experts" in mlp else 0  # (vLLM's width)
     else:
         routed, size = hf.get("num_experts"), hf.get("moe_intermediate_size", 0)
         step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
@@ -137,7 +167,9 @@ def experts_fields(hf: dict, family: str, kinds: tuple) -> dict:
     return {"mlp_kinds": mlp, "num_experts": routed, "moe_intermediate_size": size,
             "num_experts_per_tok": hf.get("num_experts_per_tok", 1),
             "norm_topk_prob": bool(hf.get("norm_topk_prob")),
-            "shared_expert_intermediate_size": shared}
+            "shared_expert_intermediate_size": shared, "router_score_bias":
+                family == "nemotron_h" or hf.get("topk_method") == "noaux_tc",
+            "moe_latent_size": hf.get("moe_latent_size") or 0}
 
 
 def latent_fields(hf: dict) -> dict:
@@ -151,7 +183,10 @@ def latent_fields(hf: dict) -> dict:
 
 def sized_only_fields(hf: dict, family: str, name: str) -> dict:
     """Every `ModelConfig` field of a family the kit sizes but does not run, and the user's
-    config.json itself (`source_config`: what vLLM is given to compare against)."""
+    config.json itself (`source_config`: what vLLM is given to compare against). Biases as
+    vLLM builds them: DeepSeek's and Nemotron-H's attention has none whatever config.json
+    says, Qwen3-Next's Q, K and V have them with `qkv_bias` (transformers' attention_bias)."""
+    source, hf = hf, {**SIZED_DEFAULTS[family], **hf}
     missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in hf]
     if missing:
         raise ConfigError(f"model {name!r}: config.json lacks {missing}")
@@ -169,9 +204,11 @@ def sized_only_fields(hf: dict, family: str, name: str) -> dict:
         "rms_norm_eps": hf.get("rms_norm_eps") or hf.get("layer_norm_epsilon") or 1e-6,
         "rope_theta": hf.get("rope_theta") or 10000.0,
         "hidden_act": hf.get("hidden_act") or hf.get("mlp_hidden_act") or "silu",
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": bool(hf.get("attention_bias", False)),
+        "tie_word_embeddings": family in TIED_FAMILIES and bool(hf.get("tie_word_embeddings")),
+        "attention_bias": bool(hf.get("qkv_bias") if family.startswith("qwen3") else
+                               family == "granitemoehybrid" and hf.get("attention_bias")),
+        "attn_output_gate": family.startswith("qwen3") and bool(hf.get("attn_output_gate", True)),
         "torch_dtype": hf.get("torch_dtype") or hf.get("dtype") or "bfloat16",
         "layer_types": kinds, "recurrent": recurrent_of(hf, family),
-        "source_config": json.dumps(hf, sort_keys=True),
+        "source_config": json.dumps(source, sort_keys=True),
         **latent, **experts_fields(hf, family, kinds)}

@@ -82,6 +82,12 @@ class ModelConfig(ParameterCounts):
     v_head_dim: int = 0
     q_lora_rank: int | None = None
     recurrent: Recurrent | None = None
+    # their weights (kit.config.cache_kinds_counts): Qwen3-Next's query doubled into a gate of
+    # the output, an expert's width where Nemotron-H projects to a latent around its experts
+    # (0: hidden_size), a learned bias of each expert's routing score (vLLM's parameter)
+    attn_output_gate: bool = False
+    moe_latent_size: int = 0
+    router_score_bias: bool = False
     source_config: str = ""
 
     @classmethod

@@ -1,8 +1,11 @@
 """What a model's shapes count (`ModelConfig`'s parameter counts, chapters 01 and 02): every
 matrix, bias, norm and embedding, the experts' share and what one token runs through. Plain
 arithmetic on the config's fields, so the count needs no weights; the model built on the meta
-device must hold exactly as many (tests/test_config.py, tests/test_experts_sizing.py)."""
+device must hold exactly as many (tests/test_config.py, tests/test_experts_sizing.py). The
+families sized but not run count their mixers and MLPs in `kit.config.cache_kinds_counts`."""
 from __future__ import annotations
+
+import kit.config.cache_kinds_counts as sized
 
 
 class ParameterCounts:
@@ -10,13 +13,17 @@ class ParameterCounts:
 
     def attention_weights(self, layer: int = 0) -> int:
         """Elements of layer `layer`'s Q, K, V and O projections (no K or V where it reads
-        another layer's cache, no V where V is K's)."""
+        another layer's cache, no V where V is K's); a family sized only: its mixer's matrices."""
+        if self.parts.sized_only:
+            return sized.mixer_weights(self, layer)
         d = self.layer_head_dim(layer)
         h, q, kv = self.hidden_size, self.num_attention_heads * d, self.layer_kv_heads(layer) * d
         return h * q + (self.has_kv_cache(layer) + self.has_v_proj(layer)) * h * kv + q * h
 
     def expert_weights(self) -> int:
         """Elements of one expert's three matrices (gate, up, down)."""
+        if self.parts.sized_only:
+            return sized.expert_weights(self)
         return 3 * self.hidden_size * self.moe_intermediate_size
 
     def expert_elements(self) -> int:
@@ -29,6 +36,8 @@ class ParameterCounts:
         """Elements of layer `layer`'s MLP matrices: the dense MLP's three, or the router,
         every expert (`active`: only the num_experts_per_tok experts one token runs) and a
         shared expert's three (Llama 4)."""
+        if self.parts.sized_only:
+            return sized.mlp_weights(self, layer, active)
         if not self.is_moe(layer):
             return 3 * self.hidden_size * self.layer_intermediate_size(layer)
         experts = self.num_experts_per_tok if active else self.num_experts
@@ -66,6 +75,8 @@ class ParameterCounts:
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (the model's real count must equal it): the
         matrices, the attention biases, every norm, and the input embedding when untied."""
+        if self.parts.sized_only:
+            return sized.num_parameters(self)
         h = self.hidden_size
         bias = (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim \
             + h * self.parts.o_bias if self.attention_bias else 0

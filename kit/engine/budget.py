@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kit.config import DTYPE_BYTES
+from kit.config import cache_kinds_counts as sized
 from kit.errors import ConfigError
 
 
@@ -81,7 +82,10 @@ def mlp_live_elements(arch, layer: int) -> int:
     outputs and the activated product, 3 × intermediate_size. Experts: the token's k routed
     rows in vLLM's fused-experts workspace (`fused_experts_impl`), each a gate-and-up row of
     2 × moe_intermediate_size sharing its memory with the row's down output (hidden_size),
-    beside its activated row (moe_intermediate_size)."""
+    beside its activated row (moe_intermediate_size). A family sized only: its own
+    (`kit.config.cache_kinds_counts.mlp_peak_elements`)."""
+    if arch.parts.sized_only:
+        return sized.mlp_peak_elements(arch, layer)
     if not arch.is_moe(layer):
         return 3 * arch.layer_intermediate_size(layer)  # (Gemma 4 doubles some layers')
     i = arch.moe_intermediate_size
