@@ -125,7 +125,8 @@ def test_gemma3_rope_as_transformers_5_writes_it():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"model": "nope"}, r"unknown model 'nope': give one of \['gemma-2-2b', 'gemma-2b'"),
+    ({"model": "nope"}, r"unknown model 'nope': give one of \['deepseek-v2-lite', 'deepseek-v3', "
+     r"'gemma-2-2b'"),
     ({"gpu_memory_utilization": 0}, r"must be in \(0, 1\]"),
     ({"gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens=0 must be a positive whole number"),
