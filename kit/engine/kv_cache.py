@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from kit.config import DTYPE_BYTES, KV_CACHE_DTYPES, check_kv_cache_dtype, check_tensor_parallel
 from kit.engine.hybrid_cache import BackendTraits, align_hybrid, latent_spec, state_spec
 from kit.engine.kv_groups import KVCacheGroup, kv_cache_groups
-from kit.engine.kv_specs import (AttentionSpec, KVCacheSpec, MambaSpec, attention_spec,
-                                 unify_page_sizes)
+from kit.engine.kv_specs import (AttentionSpec, KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                 attention_spec, unify_page_sizes)
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, Ratio
 
@@ -194,9 +194,15 @@ class KVCacheLayout:
         """Why the cache's block differs from the settings' block_size; None where it does not."""
         if self.block_size == self.requested_block_size:
             return None
-        return (f"block_size {self.requested_block_size} runs as {self.block_size}: vLLM's CPU "
-                f"attention gives sliding-window layers blocks in multiples of "
-                f"{CPU_KERNEL_BLOCK}, and sizes the whole cache at that block")
+        why = (f"vLLM's CPU attention gives sliding-window layers blocks in multiples of "
+               f"{CPU_KERNEL_BLOCK}, and sizes the whole cache at that block")
+        if self.notes:
+            why = ("vLLM raises a hybrid's attention block until one page holds a recurrent "
+                   "layer's state, and pads the state to the page: " + " ".join(self.notes))
+        elif isinstance(self.groups[0].spec, MLAAttentionSpec):
+            why = ("vLLM's reference CPU latent attention (for a CPU without AMX) takes blocks "
+                   "of 16 tokens only")
+        return f"block_size {self.requested_block_size} runs as {self.block_size}: {why}"
 
     def describe_blocks(self) -> str:
         """Each group's tokens per block and bytes per token, for messages."""
@@ -208,10 +214,12 @@ class KVCacheLayout:
         layers = f"{self.group_size} layers"
         if len(self.groups) > 1:
             layers += f" (the widest of {len(self.groups)} KV cache groups)"
-        spec = self.groups[0].spec
-        return (f"2 × {layers} × {spec.num_kv_heads} KV heads × {spec.head_size} "
-                f"head_dim × {spec.dtype_bytes} B × {self.block_size} tokens = "
-                f"{self.bytes_per_block:,} B per block")
+        spec = next((g.spec for g in self.groups if isinstance(g.spec, AttentionSpec)),
+                    self.groups[0].spec)
+        page = spec.page_formula()
+        if any(isinstance(g.spec, MambaSpec) for g in self.groups):
+            page += f" (a recurrent state padded to the same {self.page_size_bytes:,} B)"
+        return f"{layers} × {page} = {self.bytes_per_block:,} B per block"
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,

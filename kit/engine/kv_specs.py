@@ -74,6 +74,11 @@ class AttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         return self.page_size_padded or self.block_size * self.bytes_per_token
 
+    def page_formula(self) -> str:
+        """One layer's block written out."""
+        return (f"2 × {self.num_kv_heads} KV heads × {self.head_size} head_dim × "
+                f"{self.dtype_bytes} B × {self.block_size} tokens")
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
@@ -156,6 +161,10 @@ class MLAAttentionSpec(FullAttentionSpec):
     def describe(self) -> str:
         return "latent attention"
 
+    def page_formula(self) -> str:
+        return (f"1 latent of {self.head_size} (kv_lora_rank + qk_rope_head_dim) × "
+                f"{self.dtype_bytes} B × {self.block_size} tokens")
+
 
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
@@ -194,6 +203,10 @@ class MambaSpec(KVCacheSpec):
 
     def describe(self) -> str:
         return {"mamba2": "Mamba-2 state", "gated_delta_net": "gated delta-net state"}[self.kind]
+
+    def page_formula(self) -> str:
+        padded = f", padded to {self.page_size_bytes:,} B" if self.page_size_padded else ""
+        return f"one state of {self.state_bytes:,} B{padded}"
 
 
 def attention_spec(window: int | None, block_size: int, num_kv_heads: int, head_size: int,

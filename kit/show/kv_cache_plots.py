@@ -171,3 +171,36 @@ def group_tables_steps(result) -> go.Figure:
         f"{result.model}: one sequence's block table per KV cache group (entries down, "
         f"steps across), blocks of {result.block_size} tokens"))
     return fig
+
+
+def latent_bytes(rows: list[dict]) -> go.Figure:
+    """Bytes one token keeps in one layer: latent attention's latent against the keys and
+    values multi-head attention would keep for the same heads (`cache_kinds_lesson`)."""
+    fig = go.Figure()
+    names = [r["model"] for r in rows]
+    for key, label, color in (("mha_bytes_per_token_layer", "multi-head K and V", COLORS["short"]),
+                              ("latent_bytes_per_token_layer", "latent", COLORS["KV cache"])):
+        fig.add_bar(name=label, x=names, y=[r[key] for r in rows], marker_color=color,
+                    text=[f"{r[key]:,} B" for r in rows], textposition="outside")
+    fig.update_yaxes(type="log", range=[2, 5.3], title_text="bytes per token per layer (bf16)")
+    fig.update_layout(barmode="group", title="What one token keeps in one layer: a latent "
+                      "(kv_lora_rank + qk_rope_head_dim) against K and V per head")
+    return fig
+
+
+def hybrid_pages(hybrids) -> go.Figure:
+    """Each hybrid's recurrent state and the padding that makes it one attention page, with
+    the attention block vLLM sets for it (`cache_kinds_lesson.HybridBlock`)."""
+    fig = go.Figure()
+    names = [f"{h.model}<br>{h.device}" for h in hybrids]
+    states = [h.state.state_bytes / 2**20 for h in hybrids]
+    padding = [(h.state.page_size_bytes - h.state.state_bytes) / 2**20 for h in hybrids]
+    fig.add_bar(name="recurrent state", x=names, y=states, marker_color=COLORS["KV cache"])
+    fig.add_bar(name="padding to the attention page", x=names, y=padding,
+                marker_color=COLORS["short"],
+                text=[f"block {h.layout.block_size:,}<br>+{h.padding:.2%}" for h in hybrids],
+                textposition="outside", textfont_size=13)
+    fig.update_yaxes(title_text="MiB per layer per request")
+    fig.update_layout(barmode="stack", title="A hybrid's page holds one state: the attention "
+                      "block vLLM sets, and what the padding adds")
+    return fig

@@ -70,3 +70,25 @@ def pr_blocks_table(a, model_name: str, device: str) -> Table:
                                 f"({1 - here['eager'] / max(1, here['compiled']):.1%} "
                                 "of the cache)",
          "compiled ÷ eager": f"{here['compiled'] / max(1, here['eager']):.3f}"}])
+
+
+def latent_table(rows: list[dict]) -> Table:
+    """What a token keeps per layer with latent attention, against multi-head K and V
+    (`cache_kinds_lesson.latent_row`)."""
+    return Table([{"model": r["model"], "layers": r["layers"], "heads": r["heads"],
+                   "latent, B per token per layer": f'{r["latent_bytes_per_token_layer"]:,}',
+                   "multi-head K and V, B": f'{r["mha_bytes_per_token_layer"]:,}',
+                   "K and V ÷ latent": f'{r["mha_over_latent"]:.1f}×',
+                   "latent, all layers": fmt_bytes(r["latent_bytes_per_token"])} for r in rows])
+
+
+def hybrid_table(rows: list[dict]) -> Table:
+    """Each hybrid's attention block, state and padding on a device
+    (`cache_kinds_lesson.HybridBlock.row`)."""
+    return Table([{"model": r["model"], "device": r["device"],
+                   "attention, B per token": f'{r["attention_bytes_per_token"]:,}',
+                   "state, B per request": f'{r["state_bytes"]:,}',
+                   "attention block": f'{r["block_size"]:,} tokens',
+                   "state padded": f'{r["padding"]:.2%}',
+                   "groups × layers": f'{r["groups"]} × {r["layers_per_group"]}',
+                   "blocks per 32k request": r["blocks_per_request"]} for r in rows])
