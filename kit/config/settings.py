@@ -9,7 +9,7 @@ imports torch only to ask whether CUDA is present.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import InitVar, asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
 from kit.config.families import runnable_families
@@ -104,8 +104,11 @@ class Settings:
     strategies: tuple[str, ...] | None = None  # serving strategies to run; None: all that apply
     num_iters: int = 3  # timed runs of the whole generation per strategy (vLLM's benchmark name)
     description: str = ""
+    # settings to size a model's KV cache only (vLLM's sizing grid, chapter 05): a model the
+    # kit sizes but does not run is taken (not a parameter: `load(..., sizing_only=True)`)
+    sizing_only: InitVar[bool] = False
 
-    def __post_init__(self):
+    def __post_init__(self, sizing_only: bool = False):
         object.__setattr__(self, "device_memory", parse_bytes(self.device_memory))
         object.__setattr__(self, "kv_cache_memory_bytes", parse_bytes(self.kv_cache_memory_bytes))
         self._check_positive()
@@ -116,7 +119,8 @@ class Settings:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in "
                               "(0, 1]: it is the fraction of device memory the engine may use")
         arch = ModelConfig.load(self.model)
-        check_runnable(arch)
+        if not sizing_only:
+            check_runnable(arch)
         object.__setattr__(self, "arch", arch)
         if self.max_model_len > arch.max_position_embeddings:
             raise ConfigError(f"max_model_len={self.max_model_len} is beyond {arch.name}'s "
@@ -199,12 +203,13 @@ def check_names(names) -> None:
         raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(PARAMETERS)}")
 
 
-def load(preset: str = DEFAULT_PRESET, **overrides) -> Settings:
-    """Settings of `preset` with `overrides` applied; a value of None keeps the preset's."""
+def load(preset: str = DEFAULT_PRESET, sizing_only: bool = False, **overrides) -> Settings:
+    """Settings of `preset` with `overrides` applied; a value of None keeps the preset's.
+    `sizing_only`: for sizing a KV cache, where a model the kit does not run is taken."""
     check_names(overrides)
     values = read_preset(preset)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(preset=preset, **values)
+    return Settings(preset=preset, sizing_only=sizing_only, **values)
 
 
 def notebook_settings(namespace: dict) -> Settings:

@@ -108,7 +108,7 @@ def agreement_grid(preset: str, models, budgets, block_sizes, cache_dtypes,
         for model, block_size, cache_dtype, tp in itertools.product(
                 models, block_sizes, cache_dtypes, tensor_parallel_sizes):
             arch = ModelConfig.load(model)
-            settings = load(preset, model=model, block_size=block_size,
+            settings = load(preset, sizing_only=True, model=model, block_size=block_size,
                             kv_cache_dtype=cache_dtype, tensor_parallel_size=tp,
                             max_model_len=min(max_model_len, arch.max_position_embeddings))
             sizer = sizer_or_none(settings, Path(tmp))

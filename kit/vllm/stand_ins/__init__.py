@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -35,4 +36,7 @@ def torchvision_stand_in(model_folder: Path) -> bool:
     sys.path.insert(0, HERE)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH"))
                                                if p)
+    # transformers then says once that Qwen2-VL's image processor falls back to its PIL form;
+    # sizing never makes one, so the line would only be noise in a chapter
+    logging.getLogger("transformers.utils.import_utils").setLevel(logging.ERROR)
     return True
