@@ -182,3 +182,18 @@ def test_the_torchvision_stand_in_is_only_a_placeholder(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": HERE}, check=True).stdout
     assert "torchvision is not installed" in out
+
+
+def test_a_gpu_refuses_more_sequences_than_recurrent_blocks():
+    """vLLM #49064: on a GPU (full CUDA graphs of the decode) a hybrid needs num_blocks ≥
+    max_num_seqs; the kit says vLLM's refusal, on the CPU it does not apply."""
+    from kit.engine.kv_cache import too_few_states
+    layout = KVCacheLayout.for_model(ModelConfig.load("qwen3.5-27b"), 16, "bfloat16",
+                                     device="cuda")
+    config = kv_cache_config(layout, 969 * layout.bytes_per_block, 131_072, "GPU", 8192)
+    assert config.num_blocks == 969
+    assert "max_num_seqs (1024) exceeds available Mamba cache blocks (969)" in \
+        too_few_states(config, 1024, "cuda")
+    assert too_few_states(config, 969, "cuda") is None and too_few_states(config, 1024, "cpu") is None
+    dense = KVCacheLayout.for_model(ModelConfig.load("qwen3-0.6b"), 16, "bfloat16", device="cuda")
+    assert too_few_states(kv_cache_config(dense, 2**30, 4096, "GPU", 8192), 10**6, "cuda") is None

@@ -325,9 +325,27 @@ def kv_cache_config(layout: KVCacheLayout, budget_bytes: int, max_model_len: int
 
 
 def config_for_settings(layout: KVCacheLayout, settings, budget_bytes: int) -> KVCacheConfig:
-    """`kv_cache_config` at the settings' max_model_len, device and batched tokens."""
-    return kv_cache_config(layout, budget_bytes, settings.max_model_len,
-                           device_label(settings.device), in_flight_tokens(settings))
+    """`kv_cache_config` at the settings' max_model_len, device and batched tokens; refused
+    where vLLM would not start for want of recurrent states (`too_few_states`)."""
+    config = kv_cache_config(layout, budget_bytes, settings.max_model_len,
+                             device_label(settings.device), in_flight_tokens(settings))
+    refusal = too_few_states(config, settings.max_num_seqs, settings.device)
+    if refusal:
+        raise ConfigError(refusal)
+    return config
+
+
+def too_few_states(config: KVCacheConfig, max_num_seqs: int, device: str) -> str | None:
+    """vLLM's refusal on a GPU, where it captures full CUDA graphs of the decode (its default
+    for hybrids): every decode sequence needs a block of each recurrent group, so max_num_seqs
+    must not exceed num_blocks (`CompilationConfig`, vLLM #49064); None where it starts."""
+    states = any(isinstance(g.spec, MambaSpec) for g in config.layout.groups)
+    if device != "cuda" or not states or max_num_seqs <= config.num_blocks:
+        return None
+    return (f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks "
+            f"({config.num_blocks:,}): each decode sequence needs one block of every recurrent "
+            f"group, and vLLM refuses to start (#49064). Lower max_num_seqs to "
+            f"{config.num_blocks:,} or less, or give the cache more memory")
 
 
 def largest_max_model_len(layout: KVCacheLayout, usable_bytes: int, upper: int,

@@ -72,7 +72,8 @@ def numbers_html(calc, note: str = "") -> str:
             f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
             f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.layout.bytes_per_block:,} B per "
             f"block · activations {calc.activations} · <code>{s.log_line()}</code>")
-    notes = [n for n in (note, s.layout.block_size_note(), windowed_tokens_note(calc)) if n]
+    notes = [n for n in (note, calc.refusal, s.layout.block_size_note(),
+                         windowed_tokens_note(calc)) if n]
     return line + "".join(f"<br><i>{n}</i>" for n in notes)
 
 

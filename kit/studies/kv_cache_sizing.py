@@ -12,7 +12,7 @@ from kit.config import ModelConfig, Settings, reference, with_layer_pattern
 from kit.engine.block_manager import GroupedBlockTables, OutOfBlocks
 from kit.engine.budget import MemoryBudget, estimate_activation_bytes, weights_budget
 from kit.engine.kv_cache import (KVCacheConfig, KVCacheLayout, device_label, in_flight_tokens,
-                                 kv_cache_config)
+                                 kv_cache_config, too_few_states)
 from kit.errors import ConfigError
 from kit.units import Bytes, Count, GiB, Ratio
 
@@ -111,6 +111,7 @@ class Calculation:
     budget: MemoryBudget
     config: KVCacheConfig
     activations: str
+    refusal: str | None = None  # why vLLM would not start with these blocks (`too_few_states`)
 
 
 def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None, *,
@@ -132,7 +133,8 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
                                      tensor_parallel_size, settings.device)
     config = KVCacheConfig(layout, max(0, budget.kv_cache_bytes), max_model_len,
                            device_label(settings.device), in_flight_tokens(settings))
-    return Calculation(budget, config, "measured" if profiled else "estimated")
+    return Calculation(budget, config, "measured" if profiled else "estimated",
+                       too_few_states(config, settings.max_num_seqs, settings.device))
 
 
 def calculator(settings: Settings, measured_activation_bytes: int):
