@@ -197,3 +197,23 @@ def test_a_gpu_refuses_more_sequences_than_recurrent_blocks():
     assert too_few_states(config, 969, "cuda") is None and too_few_states(config, 1024, "cpu") is None
     dense = KVCacheLayout.for_model(ModelConfig.load("qwen3-0.6b"), 16, "bfloat16", device="cuda")
     assert too_few_states(kv_cache_config(dense, 2**30, 4096, "GPU", 8192), 10**6, "cuda") is None
+
+
+@needs_vllm
+@pytest.mark.parametrize("name", ["granite-4.0-h-small", "nemotron-h-8b", "qwen3-next-80b-a3b",
+                                  "qwen3.5-27b", "deepseek-v2-lite"])
+def test_tensor_parallel_ranks_are_sized_as_vllm_sizes_them(tmp_path, name):
+    """Over 2 and 4 ranks a recurrent state is split by heads (Mamba-2's groups extended to
+    whole ones per rank: Granite's single group becomes one per rank) and a latent is kept
+    whole on every rank; vLLM's per-rank shapes come from its model class."""
+    from kit.config import MODELS_DIR
+    (tmp_path / "config.json").write_text((MODELS_DIR / f"{name}.json").read_text())
+    arch = ModelConfig.load(name)
+    n = min(32_768, arch.max_position_embeddings)
+    for tp in (2, 4):
+        layout = KVCacheLayout.for_model(arch, 32, "bfloat16", "auto", tp, device="cpu")
+        config = kv_cache_config(layout, 8 * 2**30, n, "CPU", 2048)
+        vllm = vllm_kv_sizing_for_folder(tmp_path, 8 * 2**30, block_size=32, max_model_len=n,
+                                         dtype="bfloat16", max_num_batched_tokens=2048,
+                                         tensor_parallel_size=tp)
+        assert (config.num_blocks, config.log_line()) == (vllm.num_blocks, vllm.log_line), tp

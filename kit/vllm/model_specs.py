@@ -81,12 +81,26 @@ def collect_specs(vllm_config) -> dict:
 def per_rank(specs: dict, vllm_config) -> dict:
     """The specs of one rank of `tensor_parallel_size`: the model is built with one rank here,
     so each layer's KV heads become vLLM's per-rank count (`ModelConfig.get_num_kv_heads`,
-    heads replicated when there are fewer than ranks), everything else as built."""
+    heads replicated when there are fewer than ranks; 1 for latent attention) and a recurrent
+    layer's state the shapes its model class gives one rank
+    (`get_mamba_state_shape_from_config`, which reads the tensor-parallel size), everything
+    else as built."""
+    from vllm.v1.kv_cache_interface import MambaSpec
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size == 1:
         return specs
     heads = vllm_config.model_config.get_num_kv_heads(pc)
-    return {name: replace(spec, num_kv_heads=heads) for name, spec in specs.items()}
+    return {name: replace(spec, shapes=rank_state_shapes(vllm_config))
+            if isinstance(spec, MambaSpec) else replace(spec, num_kv_heads=heads)
+            for name, spec in specs.items()}
+
+
+def rank_state_shapes(vllm_config) -> tuple:
+    """One rank's recurrent state shapes, as vLLM's model class computes them."""
+    from vllm.model_executor.models import ModelRegistry
+    mc = vllm_config.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(mc.architecture, model_config=mc)
+    return tuple(model_cls.get_mamba_state_shape_from_config(vllm_config))
 
 
 def release(vllm_config) -> None:
