@@ -63,9 +63,11 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
-    # sized as vLLM sizes it (weights, the KV cache's specs and blocks: kit.config.cache_kinds)
-    # but not yet built by the decoder: latent attention, Mamba-2 and gated delta-net layers
+    # read and sized as vLLM sizes it (weights, the KV cache's specs and blocks:
+    # kit.config.cache_kinds): latent attention, Mamba-2 and gated delta-net layers; `runs`:
+    # whether the decoder builds it too (DeepSeek-V2)
     sized_only: bool = False
+    runs: bool = True
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -100,13 +102,15 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
-    # Caches that are not K and V per head (kit.config.cache_kinds): sized, not run yet
-    "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True),
-    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True),
-    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True),
-    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),
-    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True),
-    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True),
+    # Caches that are not K and V per head (kit.config.cache_kinds): all sized; DeepSeek-V2
+    # run too (latent attention, kit.engine.layers.mla; softmax routing with groups and
+    # shared experts, kit.engine.layers.mla_moe)
+    "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
+    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
+    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -276,7 +280,7 @@ def check_family(family, name: str) -> None:
 
 def runnable_families(sized_only: bool = False) -> list[str]:
     """The model_types the decoder builds and runs (`sized_only`: those it only sizes)."""
-    return sorted(f for f, parts in FAMILIES.items() if parts.sized_only == sized_only)
+    return sorted(f for f, parts in FAMILIES.items() if parts.runs != sized_only)
 
 
 def check_unquantized(hf: dict, name: str) -> None:
