@@ -63,9 +63,8 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
-    # read and sized as vLLM sizes it (weights, the KV cache's specs and blocks:
-    # kit.config.cache_kinds): latent attention, Mamba-2 and gated delta-net layers; `runs`:
-    # whether the decoder builds it too (DeepSeek-V2)
+    # sized as vLLM sizes it (kit.config.cache_kinds): latent attention, Mamba-2 and gated
+    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2)
     sized_only: bool = False
     runs: bool = True
 
@@ -103,8 +102,7 @@ FAMILIES = {
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
     # Caches that are not K and V per head (kit.config.cache_kinds): all sized; DeepSeek-V2
-    # run too (latent attention, kit.engine.layers.mla; softmax routing with groups and
-    # shared experts, kit.engine.layers.mla_moe)
+    # run too (kit.engine.layers.mla: latent attention; mla_moe: routing with groups)
     "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
