@@ -101,8 +101,7 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
-    # Caches that are not K and V per head (kit.config.cache_kinds): all sized; DeepSeek-V2
-    # run too (kit.engine.layers.mla: latent attention; mla_moe: routing with groups)
+    # Caches not K and V per head (kit.config.cache_kinds): sized; DeepSeek-V2 runs (layers.mla)
     "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
@@ -272,8 +271,9 @@ def check_family(family, name: str) -> None:
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
-        "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers; "
-        f"it sizes (not yet runs) {runnable_families(sized_only=True)}.")
+        "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
+        f"or DeepSeek-V2's latent attention; it sizes (not yet runs) "
+        f"{runnable_families(sized_only=True)}.")
 
 
 def runnable_families(sized_only: bool = False) -> list[str]:
