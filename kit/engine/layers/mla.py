@@ -128,10 +128,15 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, heads, -1)], dim=-1)
 
+        # V padded with zeros to the query's head size, as vLLM's MLA prefill pads it for
+        # flash attention: SDPA's fused CPU kernel takes equal sizes only, and its fallback
+        # holds every score (tiny-mla's eager memory profile: a 59 MB peak, 33 MB padded)
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - self.v_dim))
+
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.reshape(num_seqs, -1, heads, t.shape[-1]).transpose(1, 2)
         out = prefill_attention(per_seq(q), per_seq(k), per_seq(v), self.scale)
-        return out.transpose(1, 2).reshape(tokens, heads, self.v_dim)
+        return out[..., :self.v_dim].transpose(1, 2).reshape(tokens, heads, self.v_dim)
 
     def decode(self, q_nope, q_pe, meta: AttentionMetadata) -> torch.Tensor:
         """The absorbed form (module docstring) -> [seqs, heads, v_head_dim]."""
