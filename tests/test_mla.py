@@ -63,16 +63,18 @@ def test_prefill_logits_match_transformers(tmp_path, case):
     assert error <= kit.config.TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case,strategy", [
+    *((case, "eager") for case in CASES),
+    pytest.param("mla-qlora-groups-yarn", "guard_free", marks=pytest.mark.slow)])  # compiles
 def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(tmp_path,
-                                                                                 case):
+                                                                                 case, strategy):
     """Prompts of 5, 8 and 11 tokens, 6 greedy steps, blocks of 4 (prompts end inside blocks,
     steps cross their edges): every step's logits (the prefill's included) within float32's
     1e-4 of transformers' forward over the prompt and the tokens fed back, and of the kit's
     own `no_cache_logits`."""
     folder = transformers_checkpoint(tmp_path, case)
     reference = reference_model(folder, torch.float32)
-    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager")
+    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
     errors = []
     for i, prompt in enumerate(prompts):
         ids = torch.cat([prompt, run.tokens[i, :6]])[None]
@@ -80,7 +82,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
             expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
         errors.append([relative_error(run.logits[t, i], expected[t]) for t in range(7)])
     worst = max(max(e) for e in errors)
-    print(f"{case}: paged decode, 6 steps, max |kit - transformers| / max |logit| = "
+    print(f"{case} {strategy}: paged decode, 6 steps, max |kit - transformers| / max |logit| = "
           f"{worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]
     own = check_against_no_cache(kit_model(folder), prompts, run, "float32")
