@@ -94,7 +94,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
 def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path, case):
     """In bfloat16 on the weights as written (spread ones flip experts' picks in bf16): every
     step within the kit's bf16 tolerance of transformers in bf16 and of the kit's no-cache
-    reference (seen: 6.5-7.3e-3 both), every greedy token the reference's."""
+    reference (seen: 7.0e-3 to 1.2e-2), every greedy token the reference's."""
     folder = transformers_checkpoint(tmp_path, case, spread_weights=False)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager", "bfloat16")
     reference = reference_model(folder, torch.bfloat16)
