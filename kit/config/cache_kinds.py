@@ -2,8 +2,8 @@
 sizing: DeepSeek's multi-head latent attention (`deepseek_v2`, `deepseek_v3`) and the hybrids
 of attention with recurrent layers, Mamba-2 (`granitemoehybrid`, `nemotron_h`) or gated
 delta-nets (`qwen3_next`, `qwen3_5_text`). The kit sizes them as vLLM 0.32 does (weights, the
-KV cache's specs, blocks and concurrency) but its decoder does not run them yet
-(`Parts.sized_only`). Plain data: no torch.
+KV cache's specs, blocks and concurrency) and its decoder runs DeepSeek-V2 only
+(`Parts.sized_only`, `Parts.runs`; `kit.config.deepseek`). Plain data: no torch.
 
 Each family's keys are read as its transformers config class and vLLM's model read them:
 

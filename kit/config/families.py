@@ -63,9 +63,10 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
-    # sized as vLLM sizes it (weights, the KV cache's specs and blocks: kit.config.cache_kinds)
-    # but not yet built by the decoder: latent attention, Mamba-2 and gated delta-net layers
+    # sized as vLLM sizes it (kit.config.cache_kinds): latent attention, Mamba-2 and gated
+    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2)
     sized_only: bool = False
+    runs: bool = True
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
@@ -100,13 +101,13 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
-    # Caches that are not K and V per head (kit.config.cache_kinds): sized, not run yet
-    "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True),
-    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True),
-    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True),
-    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),
-    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True),
-    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True),
+    # Caches not K and V per head (kit.config.cache_kinds): sized; DeepSeek-V2 runs (layers.mla)
+    "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
+    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
+    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -270,13 +271,14 @@ def check_family(family, name: str) -> None:
         f"{f' (it needs {need}, which the kit does not build)' if need else ''}; the kit's "
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
-        "sliding windows, with or without sinks, or Llama 4's chunked local and NoPE layers; "
-        f"it sizes (not yet runs) {runnable_families(sized_only=True)}.")
+        "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
+        f"or DeepSeek-V2's latent attention; it sizes (not yet runs) "
+        f"{runnable_families(sized_only=True)}.")
 
 
 def runnable_families(sized_only: bool = False) -> list[str]:
     """The model_types the decoder builds and runs (`sized_only`: those it only sizes)."""
-    return sorted(f for f, parts in FAMILIES.items() if parts.sized_only == sized_only)
+    return sorted(f for f, parts in FAMILIES.items() if parts.runs != sized_only)
 
 
 def check_unquantized(hf: dict, name: str) -> None:

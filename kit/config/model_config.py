@@ -6,8 +6,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kit.config.cache_kinds import LINEAR, MLP_ONLY, Recurrent, sized_only_fields
+from kit.config.cache_kinds import (LATENT_FAMILIES, LINEAR, MLP_ONLY, Recurrent,
+                                    sized_only_fields)
 from kit.config.data import MODELS_DIR, known_names
+from kit.config.deepseek import DeepSeekRouting, deepseek_fields
 from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
                                  Parts, check_family, check_keys, check_unquantized, experts_of,
                                  layer_types, mlp_kinds, rope, with_family_defaults)
@@ -72,7 +74,7 @@ class ModelConfig(ParameterCounts):
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
     use_double_wide_mlp: bool = False
-    # Caches that are not K and V per head (kit.config.cache_kinds; sized, not run yet):
+    # Caches that are not K and V per head (kit.config.cache_kinds; sized; DeepSeek-V2 run):
     # latent attention's latent and rotary key per token (DeepSeek; the weights also read the
     # query's, the non-rotary key's and the value's head sizes), and the recurrent layers'
     # state (LINEAR in layer_types); `source_config`: the user's config.json, given to vLLM
@@ -89,6 +91,7 @@ class ModelConfig(ParameterCounts):
     moe_latent_size: int = 0
     router_score_bias: bool = False
     source_config: str = ""
+    deepseek: DeepSeekRouting | None = None  # DeepSeek's router and score factor
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -96,8 +99,10 @@ class ModelConfig(ParameterCounts):
         check_family(family, name)
         if FAMILIES[family].sized_only:
             check_unquantized(hf, name)
-            return cls(name=name, family=family, checkpoint=checkpoint,
-                       **sized_only_fields(hf, family, name))
+            fields = sized_only_fields(hf, family, name)
+            if family in LATENT_FAMILIES:
+                fields.update(deepseek_fields(hf, name))
+            return cls(name=name, family=family, checkpoint=checkpoint, **fields)
         check_keys(hf, name)
         hf = with_family_defaults(hf, family)
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -204,7 +209,8 @@ class ModelConfig(ParameterCounts):
         and K norms set the scale)."""
         if self.parts.unscaled_scores:
             return 1.0
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        factor = self.deepseek.score_factor if self.deepseek else 1.0  # YaRN's mscale²
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * factor
 
     @property
     def dense_intermediate_size(self) -> int:

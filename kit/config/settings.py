@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import InitVar, asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
+from kit.config.deepseek import check_latent_run
 from kit.config.families import runnable_families
 from kit.config.model_config import ModelConfig
 from kit.errors import ConfigError, brief_in_notebooks
@@ -34,8 +35,12 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 
 
 def check_runnable(arch) -> None:
-    """Refuses, before any work, a run of a model the kit sizes but does not build."""
-    if arch.parts.sized_only:
+    """Refuses, before any work, a run of a model the kit sizes but does not build, or of
+    what a DeepSeek-V2 config.json asks that the kit's decoder does not build
+    (`kit.config.deepseek.check_latent_run`)."""
+    if arch.deepseek is not None and arch.parts.runs:
+        check_latent_run(arch)
+    if not arch.parts.runs:
         raise ConfigError(
             f"model {arch.name!r}: model_type {arch.family!r} keeps a cache that is not K and "
             "V per head (latent attention or recurrent states); the kit sizes it exactly as "

@@ -103,9 +103,10 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
         parts["lm_head.weight"] = [("lm_head.weight", (vocab, h))]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
-        parts.update(attention_tensors(arch, kit + "self_attn.", hf + "self_attn.", i))
+        attention = latent_attention_tensors if arch.latent_size else attention_tensors
+        parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
         mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
-            stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
+            deepseek_experts_tensors if arch.latent_size else stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
             llama4_experts_tensors if arch.parts.expert_names == "llama4" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
@@ -180,6 +181,30 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> d
     norms = ("q_norm", "k_norm")[:1 + arch.has_kv_cache(layer)] if arch.parts.qk_norm else ()
     for norm in norms:  # one scale per element
         parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (d,))]
+    return parts
+
+
+def latent_attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """DeepSeek's latent attention (`kit.engine.layers.mla`), each matrix under its own name."""
+    h, heads, rank, rope = (arch.hidden_size, arch.num_attention_heads, arch.kv_lora_rank,
+                            arch.qk_rope_head_dim)
+    q_out, ql = heads * (arch.qk_nope_head_dim + rope), arch.q_lora_rank
+    shapes = {"q_a_proj": (ql, h), "q_b_proj": (q_out, ql)} if ql else {"q_proj": (q_out, h)}
+    shapes.update({"kv_a_proj_with_mqa": (rank + rope, h),
+                   "kv_b_proj": (heads * (arch.qk_nope_head_dim + arch.v_head_dim), rank),
+                   "o_proj": (h, heads * arch.v_head_dim), "kv_a_layernorm": (rank,)})
+    if ql:
+        shapes["q_a_layernorm"] = (ql,)
+    return {f"{kit}{name}.weight": [(f"{hf}{name}.weight", shape)]
+            for name, shape in shapes.items()}
+
+
+def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """DeepSeek's router and experts (Qwen's names) and its shared experts, one gated MLP."""
+    parts = experts_tensors(arch, kit, hf, layer)
+    if arch.shared_expert_intermediate_size:
+        parts.update(gated_mlp_tensors(arch, kit + "shared_experts.", f"{hf}mlp.shared_experts.",
+                                       arch.shared_expert_intermediate_size))
     return parts
 
 

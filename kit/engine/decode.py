@@ -31,7 +31,7 @@ import torch
 
 from kit.config import TOLERANCE, Settings
 from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables
-from kit.engine.kv_cache import KVCacheLayout, allocate
+from kit.engine.kv_cache import KVCacheLayout, allocate, cache_blocks
 from kit.engine.layers.attention import AttentionMetadata, attention_span
 from kit.engine.model import Decoder
 from kit.errors import ConfigError
@@ -144,9 +144,10 @@ class PagedBatch:
 
     def __init__(self, layout: KVCacheLayout, kv_cache: torch.Tensor, lengths: list[int],
                  width: int, max_context_len: int | None = None):
-        if tuple(kv_cache.shape) != layout.tensor_shape(kv_cache.shape[2]):
+        shape = layout.tensor_shape(cache_blocks(kv_cache)[0])
+        if tuple(kv_cache.shape) != shape:
             raise ValueError(f"a cache of shape {tuple(kv_cache.shape)} is not the layout's "
-                             f"{layout.tensor_shape(kv_cache.shape[2])}")
+                             f"{shape}")
         self.layout, self.kv_cache, self.lengths = layout, kv_cache, list(lengths)
         self.block_size, self.groups = layout.block_size, layout.groups
         # positions each step's attention reads: the table's whole width unless told fewer
@@ -170,7 +171,7 @@ class PagedBatch:
         `prefill`, a runner of `prefill_function(model)`; eagerly by default), each one's first
         new token (greedy) ready as the next input. Returns the prefill's logits."""
         model.bind_kv_cache(self.layout)
-        self.allocator = GroupedBlockTables(self.kv_cache.shape[2], self.groups)
+        self.allocator = GroupedBlockTables(cache_blocks(self.kv_cache)[0], self.groups)
         self.held = []
         self.host_tables.fill_(NULL_BLOCK)  # padding entries: the null block, the mask hides them
         self.tables_changed = True
@@ -245,7 +246,7 @@ def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
     at `positions`. Where each token's K and V go (its slot) and how much context each sequence
     sees follow from the positions and the block table, computed here on the device; the
     attention reads `max_context_len` positions of each (default: the table's width)."""
-    block_size = kv_cache.shape[3]
+    block_size = cache_blocks(kv_cache)[1]
     entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
     block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
     meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,

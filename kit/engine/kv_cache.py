@@ -221,11 +221,18 @@ class KVCacheLayout:
             page += f" (a recurrent state padded to the same {self.page_size_bytes:,} B)"
         return f"{layers} × {page} = {self.bytes_per_block:,} B per block"
 
+    @property
+    def latent(self) -> bool:
+        """Whether the layers keep a latent per token (MLA), not K and V per head."""
+        return isinstance(self.groups[0].spec, MLAAttentionSpec)
+
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
-        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j. Layers whose heads
-        differ (Gemma 4's full layers) read and write the same bytes per token in their own
-        shape; groups of different block sizes are not run by the kit's decode."""
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j. Latent attention keeps
+        one latent per token and no K/V pair: [group size, num_blocks, block_size,
+        kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Layers
+        whose heads differ (Gemma 4's full layers) read and write the same bytes per token in
+        their own shape; groups of different block sizes are not run by the kit's decode."""
         spec = self.groups[0].spec
         if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.groups}) > 1:
             raise ConfigError(
@@ -234,6 +241,8 @@ class KVCacheLayout:
                 "makes their pages one size by giving layers of smaller pages more tokens per "
                 "block). Sizing is exact; to decode, choose heads whose keys and values take "
                 "the same bytes on every layer")
+        if self.latent:
+            return (self.group_size, num_blocks, self.block_size, spec.head_size)
         return (self.group_size, 2, num_blocks, self.block_size, spec.num_kv_heads,
                 spec.head_size)
 
@@ -381,8 +390,16 @@ def allocate(layout: KVCacheLayout, num_blocks: int, device: str):
 
 def layer_views(cache, layout: KVCacheLayout) -> list:
     """Each layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view of the one
-    tensor: the slice its place in its group names (layer j of every group shares slice j)."""
+    tensor (latent attention's: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]):
+    the slice its place in its group names (layer j of every group shares slice j)."""
     return [cache[layout.place(i)[1]] for i in range(layout.num_layers)]
+
+
+def cache_blocks(cache) -> tuple[int, int]:
+    """(num_blocks, block_size) of a cache tensor of either shape (`tensor_shape`): a
+    latent cache has 4 dimensions, K and V per head 6."""
+    return (cache.shape[1], cache.shape[2]) if cache.dim() == 4 else \
+        (cache.shape[2], cache.shape[3])
 
 
 def allocate_measured(layout: KVCacheLayout, num_blocks: int, device: str):

@@ -21,6 +21,8 @@ from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.experts import SparseMoE
 from kit.engine.layers.gemma4_moe import Gemma4MoE
+from kit.engine.layers.mla import LatentAttention
+from kit.engine.layers.mla_moe import DeepSeekMoE
 from kit.engine.layers.mlp import MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
@@ -41,10 +43,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(arch)
-        self.self_attn = Attention(arch, layer_idx)
+        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
+        latent = bool(arch.latent_size)
+        self.self_attn = (LatentAttention if latent else Attention)(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
-        self.mlp = SparseMoE(arch, layer_idx) if moe else MLP(arch, layer_idx)
+        self.mlp = (DeepSeekMoE if latent else SparseMoE)(arch, layer_idx) if moe \
+            else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
@@ -162,11 +167,12 @@ class Decoder(nn.Module):
         """Layer `layer`'s RoPE: its head size, base and scaling (Llama 3's, YaRN's, Gemma 4's
         proportional; on full layers only when the sliding ones have their own base, as Gemma
         3's and 4's local RoPE is unscaled); () for a layer without RoPE (Llama 4's NoPE
-        layers)."""
+        layers). Latent attention turns only its qk_rope_head_dim rotary elements."""
         if not self.arch.uses_rope(layer):
             return ()
         own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
-        return (self.arch.layer_head_dim(layer), self.arch.layer_rope_theta(layer),
+        dim = self.arch.qk_rope_head_dim or self.arch.layer_head_dim(layer)
+        return (dim, self.arch.layer_rope_theta(layer),
                 () if own_base else self.arch.rope_scaling)
 
     def rope_tables(self, positions: torch.Tensor) -> dict:

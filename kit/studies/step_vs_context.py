@@ -54,7 +54,10 @@ class ContextCurve:
 
 
 def variants(arch, window: int) -> dict[str, object]:
-    """The model as configured, and the same shape with the other kind of attention."""
+    """The model as configured, and the same shape with the other kind of attention; a
+    latent attention model alone (its layers take no window: vLLM's MLA has none)."""
+    if arch.latent_size:
+        return {"as configured (latent attention)": arch}
     if any(arch.window(i) for i in range(arch.num_hidden_layers)):
         return {"as configured (sliding windows)": arch,
                 "all full attention": with_layer_pattern(arch, 1)}

@@ -1,6 +1,7 @@
 """vLLM's greedy tokens from a checkpoint's real weights (chapter 05's token-for-token comparison)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,18 @@ class GreedyRun:
     tokens: list[list[int]]
     logprobs: list[list[float]]
     then: object = None  # what `then(llm)` returned, when given
+
+
+def cpu_latent_backend(folder: Path, dtype: str) -> str | None:
+    """The attention backend vLLM's CPU engine must be given for a latent attention model
+    (DeepSeek) in float32 or float16: on a CPU with AMX it picks `AMX_MLA`, which packs its
+    weights in bfloat16 only (vLLM fails to start: "expect weight to be bfloat16, ..."), so
+    its reference `CPU_MLA` (blocks of 16) instead; None elsewhere (vLLM's own choice)."""
+    from vllm.platforms import current_platform
+    from kit.config.cache_kinds import LATENT_FAMILIES
+    model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    latent = model_type in LATENT_FAMILIES and dtype != "bfloat16"
+    return "CPU_MLA" if latent and current_platform.is_cpu() else None
 
 
 def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: int,
@@ -44,7 +57,8 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
                   block_size=block_size, max_model_len=max(longest, block_size),
                   max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
                   kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0,
-                  use_tqdm_on_load=False)
+                  use_tqdm_on_load=False,
+                  attention_backend=cpu_latent_backend(folder, dtype))
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)

@@ -38,7 +38,8 @@ class AttentionMetadata(NamedTuple):
 
     kv_cache:        [slices, 2, num_blocks, block_size, num_kv_heads, head_dim]: vLLM's
                      layout, a slice per place in the widest KV cache group
-                     (`kit.engine.kv_cache.allocate`)
+                     (`kit.engine.kv_cache.allocate`); latent attention's [slices,
+                     num_blocks, block_size, latent] (`kit.engine.layers.mla`)
     slot_mapping:    [groups, tokens]: each KV cache group's flat slot (block × block_size +
                      offset) of each token's K and V
     block_tables:    [groups, num_seqs, max_blocks]: one table of block ids per KV cache group

@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE), with Llama 3's, YaRN's or Gemma 4's proportional scaling of the frequencies
-(chapters 01, 03–05): `rope_cos_sin` once per forward for its positions, `apply_rope` to each
+(chapters 01, 03–05): `rope_cos_sin` once per forward for its positions, `apply_rope` (or
+`apply_rope_pairs`, DeepSeek) to each
 layer's queries and keys. YaRN also multiplies cos and sin by its attention factor.
 """
 from __future__ import annotations
@@ -69,3 +70,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, dim], rotating pairs of adjacent elements (2i, 2i + 1): DeepSeek's
+    layout (transformers' `apply_rotary_emb` on complex pairs, vLLM's is_neox_style=False)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x1, x2, cos, sin = pairs[..., 0], pairs[..., 1], cos[:, None, :], sin[:, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2) \
+        .to(x.dtype)
