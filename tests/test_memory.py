@@ -19,8 +19,10 @@ def test_eager_and_compiled_are_both_measured(profiles):
     for p in profiles.values():
         assert p.peak_activation_bytes > 0 and len(p.timeline_bytes) > 0
         assert max(p.timeline_bytes) == p.peak_activation_bytes  # the CPU peak is the timeline's
-        # the timeline is time within the forward (the profiler's clock is not perf_counter's)
-        assert 0 <= p.timeline_ms[0] <= p.timeline_ms[-1] <= p.forward_seconds * 1e3
+        # the timeline is time within the forward, not the compile or the model's build; the
+        # profiler's clock is not perf_counter's and its first event may precede the timer by
+        # a fraction of a millisecond (seen once: 69.72 ms of timeline in a 69.43 ms forward)
+        assert 0 <= p.timeline_ms[0] <= p.timeline_ms[-1] <= p.forward_seconds * 1e3 + 1
     assert profiles["compiled"].compile_seconds > 0 and profiles["eager"].compile_seconds == 0
 
 
