@@ -199,7 +199,7 @@ class KVCacheLayout:
         if self.notes:
             why = ("vLLM raises a hybrid's attention block until one page holds a recurrent "
                    "layer's state, and pads the state to the page: " + " ".join(self.notes))
-        elif isinstance(self.groups[0].spec, MLAAttentionSpec):
+        elif self.latent:
             why = ("vLLM's reference CPU latent attention (for a CPU without AMX) takes blocks "
                    "of 16 tokens only")
         return f"block_size {self.requested_block_size} runs as {self.block_size}: {why}"
@@ -217,7 +217,7 @@ class KVCacheLayout:
         spec = next((g.spec for g in self.groups if isinstance(g.spec, AttentionSpec)),
                     self.groups[0].spec)
         page = spec.page_formula()
-        if any(isinstance(g.spec, MambaSpec) for g in self.groups):
+        if self.has_states:
             page += f" (a recurrent state padded to the same {self.page_size_bytes:,} B)"
         return f"{layers} × {page} = {self.bytes_per_block:,} B per block"
 
@@ -225,6 +225,11 @@ class KVCacheLayout:
     def latent(self) -> bool:
         """Whether the layers keep a latent per token (MLA), not K and V per head."""
         return isinstance(self.groups[0].spec, MLAAttentionSpec)
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layers keep a recurrent state per request (a hybrid)."""
+        return any(isinstance(g.spec, MambaSpec) for g in self.groups)
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
@@ -348,8 +353,7 @@ def too_few_states(config: KVCacheConfig, max_num_seqs: int, device: str) -> str
     """vLLM's refusal on a GPU, where it captures full CUDA graphs of the decode (its default
     for hybrids): every decode sequence needs a block of each recurrent group, so max_num_seqs
     must not exceed num_blocks (`CompilationConfig`, vLLM #49064); None where it starts."""
-    states = any(isinstance(g.spec, MambaSpec) for g in config.layout.groups)
-    if device != "cuda" or not states or max_num_seqs <= config.num_blocks:
+    if device != "cuda" or not config.layout.has_states or max_num_seqs <= config.num_blocks:
         return None
     return (f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks "
             f"({config.num_blocks:,}): each decode sequence needs one block of every recurrent "
