@@ -54,7 +54,8 @@ LATENT_READ_KEYS = {
 # settings (aux_loss_alpha, seq_aux), its remote code's pointer (auto_map) and expert-parallel
 # size (ep_size: vLLM takes its own), the multi-token-prediction layers (a drafter's: neither
 # model's forward runs them), KV heads (latent attention has none: transformers' V3 writes 128
-# whatever the heads, vLLM ignores it), the head sizes transformers derives and writes
+# whatever the heads, vLLM ignores it; transformers' eager attention fails unless it equals
+# the heads, its SDPA does not read it), the head sizes transformers derives and writes
 # (head_dim = qk_rope_head_dim, qk_head_dim = nope + rope: its __post_init__ overwrites them)
 LATENT_INERT_KEYS = INERT_KEYS | {
     "auto_map", "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers",
