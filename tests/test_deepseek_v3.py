@@ -146,3 +146,30 @@ def test_the_bias_chooses_but_does_not_weigh():
     chosen = torch.tensor([-1.0, -2.0]).sigmoid()
     expected = 2.5 * chosen / chosen.sum()
     assert torch.allclose(weights[0].sort().values, expected.sort().values)
+
+
+@pytest.mark.vllm
+def test_vllms_cpu_rope_kernel_turns_the_wrong_elements_of_a_latent_query():
+    """Why vLLM 0.32's CPU engine parts from transformers (and the kit) on DeepSeek: its MLA
+    rotates `q[..., qk_nope_head_dim:]` ([tokens, heads, rope], a strided view) and
+    `k_pe.unsqueeze(1)` in place through `RotaryEmbedding.forward_cpu`, whose kernel
+    (`torch.ops._C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) takes size(-1) / head_size = 1
+    head per token and stride(-2), the head stride, as the token stride. On a [tokens,
+    heads × rope] tensor it rotates as transformers does. (Fails once vLLM fixes the kernel.)"""
+    pytest.importorskip("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from kit.engine.layers.rotary import apply_rope_pairs, rope_cos_sin
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, 256, is_neox_style=False, dtype=torch.float32,
+                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    tokens, positions = 11, torch.arange(11)
+    q = torch.randn(tokens, 4, 96, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(positions, 64, 10000.0, ())
+    expected = apply_rope_pairs(q[..., 32:], cos, sin)
+    flat = q[..., 32:].reshape(tokens, 4 * 64)  # the layout the kernel reads right
+    rope.forward_cpu(positions, flat, torch.zeros(tokens, 64))
+    assert relative_error(flat.view(tokens, 4, 64), expected) < 1e-6
+    view = q.clone()
+    rope.forward_cpu(positions, view[..., 32:], torch.zeros(tokens, 1, 64))  # as vLLM's MLA
+    assert relative_error(view[..., 32:], expected) > 0.5
