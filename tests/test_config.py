@@ -76,7 +76,7 @@ def test_unsupported_family_is_refused(tmp_path):
                                          ("falcon_h1", "linear-attention")])
 def test_out_of_reach_kinds_are_refused_by_what_they_need(tmp_path, family, need):
     with pytest.raises(ConfigError, match=f"model_type '{family}' is not supported .*{need}"
-                       r".*covers \['deepseek_v2', 'gemma', 'gemma2'"):
+                       r".*covers \['deepseek_v2', 'deepseek_v3', 'gemma'"):
         load(model=str(write_config(tmp_path, model_type=family)))
 
 

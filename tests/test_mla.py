@@ -156,21 +156,50 @@ def test_absorbed_decode_is_what_the_cache_holds(tmp_path):
     assert relative_error(step, clean.logits[1]) > 1e-2
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
-    ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
-    ({"attention_bias": True}, "attention_bias true"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"topk_method": "group_limited_greedy", "n_group": 3}, "n_group 3 does not divide 8"),
+V3 = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "n_group": 2, "topk_group": 1}
+
+
+@pytest.mark.parametrize("family,changes,message", [
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' with scoring_func "
+                                                  "'softmax' \\(deepseek_v2 routes 'greedy'"),
+    ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func 'sigmoid'"),
+    ("deepseek_v2", {"attention_bias": True}, r"attention_bias=True \(built: False\)"),
+    ("deepseek_v2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3},
+     "n_group 3 and topk_group 1 for 8 experts"),
+    # a misspelt key, and keys that would change the model (vLLM's use_mla switch, a layer
+    # frequency transformers does not follow, transformers' rotary halves)
+    ("deepseek_v2", {"moe_layer_fre": 1, "use_mla": False},
+     r"keys it does not read: \['moe_layer_fre', 'use_mla'\]"),
+    ("deepseek_v2", {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ("deepseek_v3", {**V3, "rope_interleave": False}, "rope_interleave=False"),
+    ("deepseek_v3", {**V3, "tie_word_embeddings": True}, "tie_word_embeddings=True"),
+    # V3 routes noaux_tc only, and config.json must say so (vLLM's defaults are V2's)
+    ("deepseek_v3", {}, "topk_method None with scoring_func None .*write both"),
+    ("deepseek_v3", {**V3, "topk_method": "greedy"}, "topk_method 'greedy'"),
+    ("deepseek_v3", {**V3, "n_group": 8}, "n_group 8 and topk_group 1 for 8 experts"),
 ])
-def test_what_the_decoder_does_not_build_is_refused_by_name(changes, message):
-    arch = ModelConfig.from_dict({"model_type": "deepseek_v2", **TINY, **changes}, "tiny")
+def test_what_the_decoder_does_not_build_is_refused_by_name(family, changes, message):
+    """Every key read, inert or at the value built (`kit.config.deepseek`), else one line
+    naming it before any work; sizing still takes the config (vLLM sizes it)."""
+    arch = ModelConfig.from_dict({"model_type": family, **TINY, **changes}, "tiny")
     with pytest.raises(ConfigError, match=message):
         check_runnable(arch)
+    assert json.loads(arch.source_config)["model_type"] == family
 
 
-def test_deepseek_v3_is_sized_not_run():
-    arch = ModelConfig.from_dict({"model_type": "deepseek_v3", **TINY}, "v3")
-    with pytest.raises(ConfigError, match="does not run it yet"):
-        check_runnable(arch)
-    assert json.loads(arch.source_config)["model_type"] == "deepseek_v3"
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3", "tiny-mla"])
+def test_published_configs_run_checked(name):
+    """The published configs' bookkeeping (auto_map, ep_size, aux_loss_alpha, seq_aux,
+    num_nextn_predict_layers, ...) is known inert: they pass the run's checks."""
+    check_runnable(ModelConfig.load(name))
+
+
+def test_a_run_refuses_an_unknown_key_before_any_work_and_sizing_takes_it(tmp_path):
+    """A user's config.json folder with a misspelt key: `kit.load` refuses the run by the key's
+    name (no weights needed: the check reads config.json alone); sizing takes it."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "deepseek_v3", **TINY, **V3, "routed_scaling_factr": 2.5}))
+    with pytest.raises(ConfigError, match="keys it does not read: \\['routed_scaling_factr'\\]"):
+        kit.load("cpu-small", model=str(tmp_path), max_model_len=256)
+    assert kit.load("cpu-small", sizing_only=True, model=str(tmp_path), max_model_len=256)

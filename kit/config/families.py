@@ -64,7 +64,7 @@ class Parts:
     layer_scalar: bool = False
     gemma4: bool = False
     # sized as vLLM sizes it (kit.config.cache_kinds): latent attention, Mamba-2 and gated
-    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2)
+    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2, V3)
     sized_only: bool = False
     runs: bool = True
 
@@ -101,9 +101,9 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
-    # Caches not K and V per head (kit.config.cache_kinds): sized; DeepSeek-V2 runs (layers.mla)
+    # Caches not K and V per head (kit.config.cache_kinds): sized; DeepSeek runs (layers.mla)
     "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
-    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
+    "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, experts="softmax_topk"),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
@@ -272,7 +272,7 @@ def check_family(family, name: str) -> None:
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
         "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
-        f"or DeepSeek-V2's latent attention; it sizes (not yet runs) "
+        f"or DeepSeek-V2/V3's latent attention; it sizes (not yet runs) "
         f"{runnable_families(sized_only=True)}.")
 
 

@@ -74,7 +74,7 @@ class ModelConfig(ParameterCounts):
     hidden_size_per_layer_input: int = 0
     vocab_size_per_layer_input: int = 0
     use_double_wide_mlp: bool = False
-    # Caches that are not K and V per head (kit.config.cache_kinds; sized; DeepSeek-V2 run):
+    # Caches that are not K and V per head (kit.config.cache_kinds; sized; DeepSeek-V2, V3 run):
     # latent attention's latent and rotary key per token (DeepSeek; the weights also read the
     # query's, the non-rotary key's and the value's head sizes), and the recurrent layers'
     # state (LINEAR in layer_types); `source_config`: the user's config.json, given to vLLM

@@ -36,7 +36,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 
 def check_runnable(arch) -> None:
     """Refuses, before any work, a run of a model the kit sizes but does not build, or of
-    what a DeepSeek-V2 config.json asks that the kit's decoder does not build
+    what a DeepSeek config.json asks that the kit's decoder does not build or read
     (`kit.config.deepseek.check_latent_run`)."""
     if arch.deepseek is not None and arch.parts.runs:
         check_latent_run(arch)

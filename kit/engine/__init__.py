@@ -1,5 +1,5 @@
 """The small serving engine the chapters build (layer 2, above `kit.measure`): the decoder model
-(its parts in `layers`, DeepSeek-V2's latent attention and experts in `layers.mla`, `mla_moe`),
+(its parts in `layers`, DeepSeek's latent attention and experts in `layers.mla`, `mla_moe`),
 the KV cache as vLLM 0.32 shapes it (a spec per layer, `kv_specs`; their groups, `kv_groups`;
 the run's layout and config, `kv_cache`), the memory budget (`budget`), the block manager
 (`block_manager`), vLLM's profile run (`profile_run`), the paged decode step, its fit in the

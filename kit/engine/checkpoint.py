@@ -200,8 +200,12 @@ def latent_attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 
 
 
 def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
-    """DeepSeek's router and experts (Qwen's names) and its shared experts, one gated MLP."""
+    """DeepSeek's router (V3's with its bias) and experts (Qwen's names) and its shared
+    experts, one gated MLP."""
     parts = experts_tensors(arch, kit, hf, layer)
+    if arch.router_score_bias:
+        parts[f"{kit}e_score_correction_bias"] = [(f"{hf}mlp.gate.e_score_correction_bias",
+                                                    (arch.num_experts,))]
     if arch.shared_expert_intermediate_size:
         parts.update(gated_mlp_tensors(arch, kit + "shared_experts.", f"{hf}mlp.shared_experts.",
                                        arch.shared_expert_intermediate_size))

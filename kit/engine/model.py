@@ -245,6 +245,21 @@ def init_weights(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
+# Parameters kept in float32 whatever the model's dtype: DeepSeek-V3's routing bias, added to
+# scores in (0, 1) to choose experts (transformers' `_keep_in_fp32_modules_strict`; vLLM's
+# `DeepseekV2MoE` makes it a float32 parameter)
+FLOAT32_PARAMETERS = ("e_score_correction_bias",)
+
+
+def keep_float32(model: nn.Module) -> nn.Module:
+    """`model` with its `FLOAT32_PARAMETERS` back in float32 (on its device, before weights)."""
+    for name, p in list(model.named_parameters()):
+        if name.endswith(FLOAT32_PARAMETERS) and p.dtype != torch.float32:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, nn.Parameter(p.float(), p.requires_grad))
+    return model
+
+
 def build_model(arch: ModelConfig, dtype: str, device: str, seed: int = 0) -> Decoder:
     """Allocate the weights directly on `device` in `dtype` (no fp32 copy), then draw them
     from `seed`, or read them from `arch.checkpoint` when the model is a checkpoint folder."""
@@ -252,7 +267,7 @@ def build_model(arch: ModelConfig, dtype: str, device: str, seed: int = 0) -> De
         from kit.engine.checkpoint import check_checkpoint, load_checkpoint
         check_checkpoint(arch)
     with torch.device("meta"):
-        model = Decoder(arch).to(torch_dtype(dtype))
+        model = keep_float32(Decoder(arch).to(torch_dtype(dtype)))
     model = model.to_empty(device=device)
     if arch.checkpoint:
         load_checkpoint(model, arch)

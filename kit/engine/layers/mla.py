@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2; chapters 01, 04, 05): every token keeps one latent
+"""Multi-head latent attention (DeepSeek-V2 and V3; chapters 01, 04, 05): every token keeps one latent
 for all heads, and the paged cache holds that latent alone (vLLM's `MLAAttentionSpec`).
 
     query     q = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x))) with q_lora_rank:
@@ -67,7 +67,7 @@ def absorbed_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, layer_cache: tor
 
 
 class LatentAttention(nn.Module):
-    """DeepSeek-V2's attention under its checkpoint names (q_proj or q_a_proj, q_a_layernorm,
+    """DeepSeek's attention under its checkpoint names (q_proj or q_a_proj, q_a_layernorm,
     q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj), none biased (vLLM's)."""
 
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
