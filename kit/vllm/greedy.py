@@ -21,16 +21,27 @@ class GreedyRun:
     then: object = None  # what `then(llm)` returned, when given
 
 
-def cpu_latent_backend(folder: Path, dtype: str) -> str | None:
-    """The attention backend vLLM's CPU engine must be given for a latent attention model
-    (DeepSeek) in float32 or float16: on a CPU with AMX it picks `AMX_MLA`, which packs its
-    weights in bfloat16 only (vLLM fails to start: "expect weight to be bfloat16, ..."), so
-    its reference `CPU_MLA` (blocks of 16) instead; None elsewhere (vLLM's own choice)."""
+def cpu_latent_args(folder: Path, dtype: str) -> dict:
+    """What vLLM's CPU engine must be given for a latent attention model (DeepSeek), {}
+    for any other model or device:
+
+    - in float32 or float16, the attention backend: on a CPU with AMX vLLM picks `AMX_MLA`,
+      which packs its weights in bfloat16 only (vLLM fails to start: "expect weight to be
+      bfloat16, ..."), so its reference `CPU_MLA` (blocks of 16) instead;
+    - its rotary embedding as vLLM's own torch code (`custom_ops: ["-rotary_embedding"]`,
+      `RotaryEmbedding.forward_native`): vLLM 0.32's MLA turns two strided views in place
+      (`q[..., qk_nope_head_dim:]`, `k_pe.unsqueeze(1)`; vllm/model_executor/layers/mla.py),
+      and the CPU kernel behind `forward_cpu` (csrc/cpu/pos_encoding.cpp) reads them as one
+      head per token with the head stride as the token stride, so it turns the wrong elements
+      (tests/test_deepseek_v3.py pins it down). With it, a tiny float32 DeepSeek-V3 gave 1 of
+      72 tokens equal to transformers'; with vLLM's torch rotary, 72 of 72."""
     from vllm.platforms import current_platform
     from kit.config.cache_kinds import LATENT_FAMILIES
     model_type = json.loads((Path(folder) / "config.json").read_text()).get("model_type")
-    latent = model_type in LATENT_FAMILIES and dtype != "bfloat16"
-    return "CPU_MLA" if latent and current_platform.is_cpu() else None
+    if model_type not in LATENT_FAMILIES or not current_platform.is_cpu():
+        return {}
+    args = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    return args if dtype == "bfloat16" else {**args, "attention_backend": "CPU_MLA"}
 
 
 def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: int,
@@ -57,8 +68,7 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
                   block_size=block_size, max_model_len=max(longest, block_size),
                   max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),
                   kv_cache_memory_bytes=64 * MiB, enable_prefix_caching=False, seed=0,
-                  use_tqdm_on_load=False,
-                  attention_backend=cpu_latent_backend(folder, dtype))
+                  use_tqdm_on_load=False, **cpu_latent_args(folder, dtype))
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
