@@ -19,6 +19,7 @@ from torch import nn
 from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
+from kit.engine.layers.mamba2 import Mamba2Mixer
 from kit.engine.layers.experts import SparseMoE
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
@@ -43,9 +44,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(arch)
-        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
+        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla);
+        # a hybrid's recurrent layers mix tokens with Mamba-2 in attention's place
         latent = bool(arch.latent_size)
-        self.self_attn = (LatentAttention if latent else Attention)(arch, layer_idx)
+        mixer = Mamba2Mixer if arch.is_recurrent(layer_idx) else \
+            LatentAttention if latent else Attention
+        self.self_attn = mixer(arch, layer_idx)
+        # Granite: each sub-layer's output scaled before it joins the residual stream
+        self.residual_multiplier = arch.hybrid.residual_multiplier if arch.hybrid else 1.0
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
         self.mlp = (DeepSeekMoE if latent else SparseMoE)(arch, layer_idx) if moe \
@@ -53,8 +59,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.scaled(self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta))
+        return x + self.scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class SandwichLayer(DecoderLayer):
@@ -133,6 +142,8 @@ class Decoder(nn.Module):
         if self.parts.scale_embeddings:  # by sqrt(hidden_size) rounded to the model dtype, as
             # transformers and vLLM round it (Gemma)
             x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+        if self.arch.hybrid and self.arch.hybrid.embedding_multiplier != 1.0:  # Granite
+            x = x * self.arch.hybrid.embedding_multiplier
         return x
 
     def forward(self, input_ids: torch.Tensor,
@@ -194,6 +205,8 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        if self.arch.hybrid and self.arch.hybrid.logits_scaling != 1.0:  # Granite
+            logits = logits / self.arch.hybrid.logits_scaling
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
 
