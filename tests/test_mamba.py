@@ -27,6 +27,13 @@ GRANITE = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 48,
            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
            "mamba_chunk_size": 8, "layer_types": ["mamba", "mamba", "attention", "mamba"],
            "position_embedding_type": "nope", "max_position_embeddings": 256}
+# Nemotron-H without experts: Mamba-2 (2 groups, the norm per group in both), MLP-only relu²
+# layers, NoPE attention
+NEMOTRON = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+            "conv_kernel": 4, "chunk_size": 8, "hybrid_override_pattern": "M-M*-",
+            "max_position_embeddings": 256}
 CASES = {
     "granite-nope": {},
     # RoPE, Granite's multipliers away from 1, 2 Mamba groups (of B and C; the norm is whole)
@@ -54,9 +61,15 @@ def spread_mamba(folder, seed=0):
     edit_tensors(folder, change)
 
 
+CASES["nemotron-dense"] = {}
+
+
 def granite_checkpoint(tmp_path, case: str, **changes):
+    """(Or Nemotron-H's, for "nemotron-dense".)"""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GraniteMoeHybridConfig(**{**GRANITE, **CASES[case], **changes})
+    config = transformers.NemotronHConfig(**{**NEMOTRON, **changes}) \
+        if case.startswith("nemotron") else \
+        transformers.GraniteMoeHybridConfig(**{**GRANITE, **CASES[case], **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path / case
@@ -111,7 +124,7 @@ def test_prefill_logits_match_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case,strategy", [
-    ("granite-nope", "eager"), ("granite-rope-scaled", "eager"),
+    ("granite-nope", "eager"), ("granite-rope-scaled", "eager"), ("nemotron-dense", "eager"),
     pytest.param("granite-nope", "guard_free", marks=pytest.mark.slow)])  # compiles: ~50 s
 def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(
         tmp_path, case, strategy):
@@ -184,6 +197,18 @@ def test_what_the_decoder_does_not_build_is_refused_by_name(changes, message):
         check_runnable(arch)
 
 
+@pytest.mark.parametrize("changes,message", [
+    ({"hybrid_override_pattern": "M-M*E", "n_routed_experts": 4,
+      "moe_intermediate_size": 32}, "MoE layers"),
+    ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'"),
+    ({"residual_in_fp32": True}, "residual_in_fp32"),
+])
+def test_nemotron_h_refuses_what_it_does_not_build_by_name(changes, message):
+    hf = {"model_type": "nemotron_h", "mlp_hidden_act": "relu2", **NEMOTRON, **changes}
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(ModelConfig.from_dict(hf, "n"))
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("case", CASES)
 def test_vllm_generates_the_kits_tokens(tmp_path, case):
@@ -194,7 +219,9 @@ def test_vllm_generates_the_kits_tokens(tmp_path, case):
     pytest.importorskip("vllm")
     from kit.vllm.greedy import greedy_from_checkpoint
     # (vLLM's CPU attention takes heads of 32 and more)
-    folder = granite_checkpoint(tmp_path, case, num_attention_heads=2, num_key_value_heads=1)
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
+    folder = granite_checkpoint(tmp_path, case, **heads, **(
+        {"head_dim": 32} if case.startswith("nemotron") else {}))
     lengths, steps = [5, 30, 41], 23
     prompts, run = kit_paged_decode(folder, lengths, steps, "eager")
     vllm = greedy_from_checkpoint(folder, [p.tolist() for p in prompts], steps + 1)

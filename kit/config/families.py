@@ -106,7 +106,7 @@ FAMILIES = {
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True,
                               experts="topk_softmax", shared_expert=True),
-    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: Mamba-2, attention, MLP)
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }

@@ -44,6 +44,7 @@ class HybridScales:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    mlp_bias: bool = False  # Nemotron-H's MLP-only layers' biases
 
 
 def time_step_limit(hf: dict) -> tuple[float, float]:
@@ -58,7 +59,11 @@ def time_step_limit(hf: dict) -> tuple[float, float]:
 def hybrid_fields(hf: dict, family: str, name: str) -> dict:
     """RoPE's base and scaling, the layers without RoPE and the `ModelConfig.hybrid` factors."""
     theta, _, scaling = rope(hf, name)
-    fields = {"rope_theta": theta, "rope_scaling": scaling, "hybrid": HybridScales()}
+    fields = {"rope_theta": theta, "rope_scaling": scaling,
+              "hybrid": HybridScales(mlp_bias=bool(hf.get("mlp_bias")))}
+    if family == "nemotron_h":  # its attention has no positions at all (NoPE)
+        fields["nope_layers"] = tuple(range(len(hf.get("layers_block_type") or
+                                                hf.get("hybrid_override_pattern") or ())))
     if family == "granitemoehybrid":
         fields["hybrid"] = HybridScales(
             float(hf.get("embedding_multiplier", 1.0)), float(hf.get("residual_multiplier", 1.0)),
@@ -66,6 +71,23 @@ def hybrid_fields(hf: dict, family: str, name: str) -> dict:
         if (hf.get("position_embedding_type") or "rope") == "nope":
             fields["nope_layers"] = tuple(range(hf["num_hidden_layers"]))
     return fields
+
+
+def nemotron_problems(arch, hf: dict) -> list[str]:
+    """What a Nemotron-H config.json asks that the kit does not build: its MoE layers (their
+    experts are not gated: vLLM's CPU engine refuses them too, `is_act_and_mul=False`), MLPs
+    other than relu², residuals in float32, multi-token prediction layers."""
+    problems = []
+    if arch.num_experts:
+        problems.append("MoE layers (\"E\" / \"moe\": non-gated experts, which vLLM's CPU "
+                        "engine refuses as well)")
+    if arch.hidden_act != "relu2":
+        problems.append(f"mlp_hidden_act {arch.hidden_act!r} (Nemotron-H's MLPs are relu²)")
+    if hf.get("residual_in_fp32"):
+        problems.append("residual_in_fp32 true")
+    if hf.get("num_nextn_predict_layers"):
+        problems.append("num_nextn_predict_layers (multi-token prediction)")
+    return problems
 
 
 def check_hybrid_run(arch) -> None:
@@ -95,6 +117,8 @@ def check_hybrid_run(arch) -> None:
     if rec.heads % rec.groups or rec.inner % rec.norm_groups or rec.inner != rec.heads * rec.head_dim:
         problems.append(f"{rec.heads} Mamba heads of {rec.head_dim} in {rec.groups} groups "
                         f"(inner {rec.inner})")
+    if arch.family == "nemotron_h":
+        problems += nemotron_problems(arch, hf)
     if problems:
         raise ConfigError(f"model {name!r}: the kit's {arch.family} decoder does not build "
                           + "; ".join(problems))

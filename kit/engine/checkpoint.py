@@ -97,6 +97,8 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     """Each kit parameter -> the Hugging Face tensors (name, shape) stacked along dim 0 to make
     it; a stacked expert matrix [E, rows, cols] is E × rows rows of its experts' tensors."""
     h, vocab = arch.hidden_size, arch.vocab_size
+    if arch.family == "nemotron_h":
+        return nemotron_tensors(arch)
     parts = {"embed_tokens.weight": [("model.embed_tokens.weight", (vocab, h))],
              "norm.weight": [("model.norm.weight", (h,))]}
     if not arch.tie_word_embeddings:
@@ -142,6 +144,29 @@ def granite_layer_tensors(arch: ModelConfig, kit: str, hf: str, layer: int) -> d
             f"{kit}mlp.gate.weight": [(f"{moe}router.layer.weight", (e, h))],
             f"{kit}mlp.experts.gate_up_proj": [(f"{moe}input_linear.weight", (e, 2 * inter, h))],
             f"{kit}mlp.experts.down_proj": [(f"{moe}output_linear.weight", (e, h, inter))]})
+    return parts
+
+
+def nemotron_tensors(arch: ModelConfig) -> dict:
+    """Nemotron-H's names: `backbone.embeddings`, `backbone.norm_f`, and each layer's `norm`
+    and `mixer` (Mamba-2, attention, or the MLP's up_proj and down_proj)."""
+    h, vocab, inter = arch.hidden_size, arch.vocab_size, arch.intermediate_size
+    parts = {"embed_tokens.weight": [("backbone.embeddings.weight", (vocab, h))],
+             "norm.weight": [("backbone.norm_f.weight", (h,))],
+             "lm_head.weight": [("lm_head.weight", (vocab, h))]}
+    for i in range(arch.num_hidden_layers):
+        kit, hf = f"layers.{i}.", f"backbone.layers.{i}."
+        parts[f"{kit}norm.weight"] = [(f"{hf}norm.weight", (h,))]
+        if arch.is_recurrent(i):
+            parts.update(mamba2_tensors(arch, kit + "self_attn.", hf + "mixer."))
+        elif arch.has_kv_cache(i):
+            parts.update(attention_tensors(arch, kit + "self_attn.", hf + "mixer.", i))
+        else:
+            shapes = {"up_proj": (inter, h), "down_proj": (h, inter)}
+            for name, shape in shapes.items():
+                parts[f"{kit}mlp.{name}.weight"] = [(f"{hf}mixer.{name}.weight", shape)]
+                if arch.hybrid.mlp_bias:
+                    parts[f"{kit}mlp.{name}.bias"] = [(f"{hf}mixer.{name}.bias", shape[:1])]
     return parts
 
 

@@ -24,7 +24,7 @@ from kit.engine.layers.experts import SparseMoE
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
 from kit.engine.layers.mla_moe import DeepSeekMoE
-from kit.engine.layers.mlp import MLP
+from kit.engine.layers.mlp import MLP, Relu2MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
@@ -116,6 +116,27 @@ class Gemma4Layer(SandwichLayer):
         return x * self.layer_scalar
 
 
+class MixerLayer(nn.Module):
+    """Nemotron-H's block: one norm, then one mixer (Mamba-2, attention) or an MLP alone
+    (`ModelConfig.attention_kind` MLP_ONLY: relu², no cache), its output added to the residual
+    stream (transformers' `NemotronHBlock`)."""
+
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.norm = make_norm(arch)
+        if arch.has_kv_cache(layer_idx):
+            self.self_attn = (Mamba2Mixer if arch.is_recurrent(layer_idx) else Attention)(
+                arch, layer_idx)
+        else:
+            self.mlp = Relu2MLP(arch, arch.hybrid.mlp_bias)
+
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                extra=None):
+        if hasattr(self, "self_attn"):
+            return x + self.self_attn(self.norm(x), cos, sin, num_seqs, meta)
+        return x + self.mlp(self.norm(x))
+
+
 # Where a layer's norms sit (`Parts.layer`) -> the layer that places them so.
 LAYERS = {"pre_norm": DecoderLayer, "sandwich": SandwichLayer}
 
@@ -129,7 +150,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch, self.parts = arch, arch.parts
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        layer = Gemma4Layer if self.parts.gemma4 else LAYERS[self.parts.layer]
+        layer = Gemma4Layer if self.parts.gemma4 else MixerLayer if arch.family == "nemotron_h" \
+            else LAYERS[self.parts.layer]
         self.layers = nn.ModuleList(layer(arch, i) for i in range(arch.num_hidden_layers))
         self.per_layer_inputs = PerLayerInputs(arch) if arch.hidden_size_per_layer_input \
             else None
