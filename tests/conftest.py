@@ -5,13 +5,18 @@ from pathlib import Path
 
 import pytest
 
-from kit.execute.notebooks import run
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on a 2-core machine: OpenMP threads that wait for work sleep instead of
-    # spinning, so one worker's idle threads do not take the cores from the other's (the
-    # kernels and engines the tests start inherit it). Results are the same; tests time nothing.
+    # spinning, so one worker's idle threads do not take the cores from the other's, and each
+    # worker runs as many threads as it has cores to itself (the kernels and engines the tests
+    # start inherit both). Two workers of two threads each on two cores made a vLLM token test
+    # 10-60% slower (mixtral 7.3 s against 6.5, under a second worker's load). Results are the
+    # same; tests time nothing.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+
+from kit.execute.notebooks import run  # noqa: E402 (after the threads are set)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.

@@ -97,12 +97,17 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     """Each kit parameter -> the Hugging Face tensors (name, shape) stacked along dim 0 to make
     it; a stacked expert matrix [E, rows, cols] is E × rows rows of its experts' tensors."""
     h, vocab = arch.hidden_size, arch.vocab_size
+    if arch.family == "nemotron_h":
+        return nemotron_tensors(arch)
     parts = {"embed_tokens.weight": [("model.embed_tokens.weight", (vocab, h))],
              "norm.weight": [("model.norm.weight", (h,))]}
     if not arch.tie_word_embeddings:
         parts["lm_head.weight"] = [("lm_head.weight", (vocab, h))]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
+        if arch.family == "granitemoehybrid":
+            parts.update(granite_layer_tensors(arch, kit, hf, i))
+            continue
         attention = latent_attention_tensors if arch.latent_size else attention_tensors
         parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
         mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
@@ -116,6 +121,69 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     if arch.hidden_size_per_layer_input:
         parts.update(per_layer_input_tensors(arch))
     return parts
+
+
+def granite_layer_tensors(arch: ModelConfig, kit: str, hf: str, layer: int) -> dict:
+    """A Granite-4.0-H layer: its Mamba-2 mixer (`mamba.*`) or attention, its two norms, and
+    its experts (`block_sparse_moe`: the router's `router.layer`, every expert's gate and up
+    rows in `input_linear` [E, 2I, H], `output_linear` [E, H, I]: the kit's layout) beside the
+    shared MLP (`shared_mlp`, gate and up in `input_linear`), or that MLP alone."""
+    h = arch.hidden_size
+    parts = mamba2_tensors(arch, kit + "self_attn.", hf + "mamba.") if arch.is_recurrent(layer) \
+        else attention_tensors(arch, kit + "self_attn.", hf + "self_attn.", layer)
+    for norm in arch.parts.layer_norms:
+        parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
+    shared = arch.shared_expert_intermediate_size if arch.is_moe(layer) else arch.intermediate_size
+    mlp = f"{kit}mlp.shared_expert." if arch.is_moe(layer) else f"{kit}mlp."
+    parts.update({f"{mlp}gate_up_proj.weight": [(f"{hf}shared_mlp.input_linear.weight",
+                                                 (2 * shared, h))],
+                  f"{mlp}down_proj.weight": [(f"{hf}shared_mlp.output_linear.weight", (h, shared))]})
+    if arch.is_moe(layer):
+        e, inter, moe = arch.num_experts, arch.moe_intermediate_size, f"{hf}block_sparse_moe."
+        parts.update({
+            f"{kit}mlp.gate.weight": [(f"{moe}router.layer.weight", (e, h))],
+            f"{kit}mlp.experts.gate_up_proj": [(f"{moe}input_linear.weight", (e, 2 * inter, h))],
+            f"{kit}mlp.experts.down_proj": [(f"{moe}output_linear.weight", (e, h, inter))]})
+    return parts
+
+
+def nemotron_tensors(arch: ModelConfig) -> dict:
+    """Nemotron-H's names: `backbone.embeddings`, `backbone.norm_f`, and each layer's `norm`
+    and `mixer` (Mamba-2, attention, or the MLP's up_proj and down_proj)."""
+    h, vocab, inter = arch.hidden_size, arch.vocab_size, arch.intermediate_size
+    parts = {"embed_tokens.weight": [("backbone.embeddings.weight", (vocab, h))],
+             "norm.weight": [("backbone.norm_f.weight", (h,))],
+             "lm_head.weight": [("lm_head.weight", (vocab, h))]}
+    for i in range(arch.num_hidden_layers):
+        kit, hf = f"layers.{i}.", f"backbone.layers.{i}."
+        parts[f"{kit}norm.weight"] = [(f"{hf}norm.weight", (h,))]
+        if arch.is_recurrent(i):
+            parts.update(mamba2_tensors(arch, kit + "self_attn.", hf + "mixer."))
+        elif arch.has_kv_cache(i):
+            parts.update(attention_tensors(arch, kit + "self_attn.", hf + "mixer.", i))
+        else:
+            shapes = {"up_proj": (inter, h), "down_proj": (h, inter)}
+            for name, shape in shapes.items():
+                parts[f"{kit}mlp.{name}.weight"] = [(f"{hf}mixer.{name}.weight", shape)]
+                if arch.hybrid.mlp_bias:
+                    parts[f"{kit}mlp.{name}.bias"] = [(f"{hf}mixer.{name}.bias", shape[:1])]
+    return parts
+
+
+def mamba2_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A Mamba-2 mixer (`kit.engine.layers.mamba2`), under transformers' and vLLM's names."""
+    rec, h = arch.recurrent, arch.hidden_size
+    conv_dim = rec.inner + 2 * rec.groups * rec.state_dim
+    shapes = {"in_proj.weight": (rec.inner + conv_dim + rec.heads, h),
+              "conv1d.weight": (conv_dim, 1, rec.conv_kernel), "dt_bias": (rec.heads,),
+              "A_log": (rec.heads,), "D": (rec.heads,), "norm.weight": (rec.inner,),
+              "out_proj.weight": (h, rec.inner)}
+    if rec.conv_bias:
+        shapes["conv1d.bias"] = (conv_dim,)
+    if rec.proj_bias:
+        shapes.update({"in_proj.bias": (rec.inner + conv_dim + rec.heads,),
+                       "out_proj.bias": (h,)})
+    return {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
 
 
 def gemma4_layer_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
@@ -316,7 +384,7 @@ def copy_into(param: torch.Tensor, parts: list[str], where: dict, converts=None)
     param, row = rows_of(param), 0
     for name, convert in zip(parts, converts or [None] * len(parts)):
         tensor = where[name].get_tensor(name)
-        tensor = rows_of(convert(tensor)) if convert else tensor
+        tensor = rows_of(convert(tensor) if convert else tensor)
         rows = param[row:row + tensor.shape[0]]
         rows.copy_(tensor)
         if not torch.isfinite(rows).all() and torch.isfinite(tensor).all():
@@ -355,8 +423,9 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for kit_name, parts in layout(model.arch).items():
         param = params[kit_name].detach()
         convert = conversion(model.arch, kit_name, parts[0])
-        if convert and len(parts) == 1:  # one tensor (stacked experts), in its layout
-            tensors[parts[0]] = convert[1](param).cpu().contiguous()
+        if len(parts) == 1:  # one tensor (stacked experts, a convolution), in its layout
+            tensors[parts[0]] = (convert[1](param) if convert else
+                                 param.reshape(shapes[parts[0]])).cpu().contiguous()
             continue
         sizes = [shapes[name][0] for name in parts]
         for name, piece in zip(parts, rows_of(param).split(sizes)):

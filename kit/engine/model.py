@@ -19,11 +19,12 @@ from torch import nn
 from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
+from kit.engine.layers.mamba2 import Mamba2Mixer
 from kit.engine.layers.experts import SparseMoE
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
 from kit.engine.layers.mla_moe import DeepSeekMoE
-from kit.engine.layers.mlp import MLP
+from kit.engine.layers.mlp import MLP, Relu2MLP
 from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
@@ -43,9 +44,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(arch)
-        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
+        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla);
+        # a hybrid's recurrent layers mix tokens with Mamba-2 in attention's place
         latent = bool(arch.latent_size)
-        self.self_attn = (LatentAttention if latent else Attention)(arch, layer_idx)
+        mixer = Mamba2Mixer if arch.is_recurrent(layer_idx) else \
+            LatentAttention if latent else Attention
+        self.self_attn = mixer(arch, layer_idx)
+        # Granite: each sub-layer's output scaled before it joins the residual stream
+        self.residual_multiplier = arch.hybrid.residual_multiplier if arch.hybrid else 1.0
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
         self.mlp = (DeepSeekMoE if latent else SparseMoE)(arch, layer_idx) if moe \
@@ -53,8 +59,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.scaled(self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta))
+        return x + self.scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class SandwichLayer(DecoderLayer):
@@ -107,6 +116,27 @@ class Gemma4Layer(SandwichLayer):
         return x * self.layer_scalar
 
 
+class MixerLayer(nn.Module):
+    """Nemotron-H's block: one norm, then one mixer (Mamba-2, attention) or an MLP alone
+    (`ModelConfig.attention_kind` MLP_ONLY: relu², no cache), its output added to the residual
+    stream (transformers' `NemotronHBlock`)."""
+
+    def __init__(self, arch: ModelConfig, layer_idx: int = 0):
+        super().__init__()
+        self.norm = make_norm(arch)
+        if arch.has_kv_cache(layer_idx):
+            self.self_attn = (Mamba2Mixer if arch.is_recurrent(layer_idx) else Attention)(
+                arch, layer_idx)
+        else:
+            self.mlp = Relu2MLP(arch, arch.hybrid.mlp_bias)
+
+    def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
+                extra=None):
+        if hasattr(self, "self_attn"):
+            return x + self.self_attn(self.norm(x), cos, sin, num_seqs, meta)
+        return x + self.mlp(self.norm(x))
+
+
 # Where a layer's norms sit (`Parts.layer`) -> the layer that places them so.
 LAYERS = {"pre_norm": DecoderLayer, "sandwich": SandwichLayer}
 
@@ -120,7 +150,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch, self.parts = arch, arch.parts
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        layer = Gemma4Layer if self.parts.gemma4 else LAYERS[self.parts.layer]
+        layer = Gemma4Layer if self.parts.gemma4 else MixerLayer if arch.family == "nemotron_h" \
+            else LAYERS[self.parts.layer]
         self.layers = nn.ModuleList(layer(arch, i) for i in range(arch.num_hidden_layers))
         self.per_layer_inputs = PerLayerInputs(arch) if arch.hidden_size_per_layer_input \
             else None
@@ -133,6 +164,8 @@ class Decoder(nn.Module):
         if self.parts.scale_embeddings:  # by sqrt(hidden_size) rounded to the model dtype, as
             # transformers and vLLM round it (Gemma)
             x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+        if self.arch.hybrid and self.arch.hybrid.embedding_multiplier != 1.0:  # Granite
+            x = x * self.arch.hybrid.embedding_multiplier
         return x
 
     def forward(self, input_ids: torch.Tensor,
@@ -194,18 +227,22 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        if self.arch.hybrid and self.arch.hybrid.logits_scaling != 1.0:  # Granite
+            logits = logits / self.arch.hybrid.logits_scaling
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
 
     def bind_kv_cache(self, layout) -> None:
         """Give every attention layer its KV cache group and cache slice from the run's layout
-        (`kit.engine.kv_cache.KVCacheLayout`), as vLLM's runner binds each layer to its cache;
-        the layout must be this model's."""
-        if layout.num_layers != len(self.layers):
+        (`kit.engine.kv_cache.KVCacheLayout`), and every recurrent layer its group and place
+        (`kit.engine.layers.state_slots`), as vLLM's runner binds each layer to its cache;
+        the layout must be this model's (its layers without a mixer have no cache)."""
+        mixers = [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+        if layout.num_layers != len(mixers):
             raise ValueError(f"a layout of {layout.num_layers} layers for a model of "
-                             f"{len(self.layers)}")
-        for layer in self.layers:
-            layer.self_attn.bind_kv_cache(layout)
+                             f"{len(mixers)} with a cache")
+        for mixer in mixers:
+            mixer.bind_kv_cache(layout)
 
     def multiply_in(self, dtype: torch.dtype | None) -> None:
         """Compiled code runs every product with the weights in `dtype` (None: the weights'

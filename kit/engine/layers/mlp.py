@@ -10,6 +10,19 @@ from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 
 
+class Relu2MLP(nn.Module):
+    """Nemotron-H's MLP-only layers: down(relu(up · x)²), no gate (transformers'
+    `NemotronHMLP`, vLLM's `NemotronHMLP` with `ReLUSquaredActivation`)."""
+
+    def __init__(self, arch: ModelConfig, bias: bool = False):
+        super().__init__()
+        self.up_proj = Linear(arch.hidden_size, arch.intermediate_size, bias=bias)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
 class MLP(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0,
                  intermediate_size: int | None = None):
