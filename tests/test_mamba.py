@@ -210,7 +210,9 @@ def test_nemotron_h_refuses_what_it_does_not_build_by_name(changes, message):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", CASES)
+# (granite-nope: 72 of 72 as well when measured; its NoPE engine starts in test_vllm's
+# hybrid-specs test, and the scaled case's grouped norm and multipliers are the ones to check)
+@pytest.mark.parametrize("case", ["granite-rope-scaled", "nemotron-dense"])
 def test_vllm_generates_the_kits_tokens(tmp_path, case):
     """vLLM 0.32's CPU engine on the transformers-written checkpoint, float32, greedy: three
     prompts of 5, 30 and 41 tokens, 24 tokens each, every one the kit's (its paged decode);
