@@ -106,7 +106,8 @@ FAMILIES = {
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
-    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False, norm="gemma_rms",
+                        qk_norm=True, experts="softmax_topk"),  # kit.engine.layers.qwen3_next
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
@@ -122,8 +123,7 @@ EXPERT_NAMES = {"qwen": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
                 # gpt-oss: every expert in one tensor per matrix (kit.engine.checkpoint)
                 "gpt_oss": ("mlp", "router", "gate_up_proj", "gate_up_proj", "down_proj"),
                 # Llama 4: stacked too, gate's columns then up's ([E, H, 2I]), no biases
-                "llama4": ("feed_forward", "router", "gate_up_proj", "gate_up_proj",
-                           "down_proj")}
+                "llama4": ("feed_forward", "router", "gate_up_proj", "gate_up_proj", "down_proj")}
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # that differs from the kit's plain reading (vLLM reads configs through those classes too):
 # a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
