@@ -106,7 +106,7 @@ FAMILIES = {
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
-    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False, norm="gemma_rms",
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
                         qk_norm=True, experts="softmax_topk"),  # kit.engine.layers.qwen3_next
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }

@@ -104,10 +104,14 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
         attention = latent_attention_tensors if arch.latent_size else attention_tensors
-        parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
+        if arch.is_recurrent(i) and arch.recurrent.kind == "gated_delta_net":
+            parts.update(gated_delta_tensors(arch, kit + "self_attn.", hf + "linear_attn."))
+        else:
+            parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
         mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
             deepseek_experts_tensors if arch.latent_size else stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
-            llama4_experts_tensors if arch.parts.expert_names == "llama4" else experts_tensors
+            llama4_experts_tensors if arch.parts.expert_names == "llama4" else \
+            gated_shared_experts_tensors if arch.family == "qwen3_next" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
@@ -168,7 +172,7 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> d
     no V) in the fused matrix, O, biases, sinks and the per-head norms."""
     h, d = arch.hidden_size, arch.layer_head_dim(layer)
     q, kv = arch.num_attention_heads * d, arch.layer_kv_heads(layer) * d
-    rows = {"q": q, "k": kv, "v": kv}
+    rows = {"q": q * (2 if arch.attn_output_gate else 1), "k": kv, "v": kv}  # Qwen3-Next's gate
     which = "qkv"[:1 + arch.has_kv_cache(layer) + arch.has_v_proj(layer)]
     parts = {f"{kit}qkv_proj.weight": [(f"{hf}{p}_proj.weight", (rows[p], h)) for p in which],
              f"{kit}o_proj.weight": [(f"{hf}o_proj.weight", (h, q))]}
@@ -205,6 +209,32 @@ def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 
     if arch.shared_expert_intermediate_size:
         parts.update(gated_mlp_tensors(arch, kit + "shared_experts.", f"{hf}mlp.shared_experts.",
                                        arch.shared_expert_intermediate_size))
+    return parts
+
+
+def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A gated delta-net (`kit.engine.layers.gated_delta`) under transformers' and vLLM's
+    names; the kit's `conv1d` is the stored convolution's weight."""
+    rec, h = arch.recurrent, arch.hidden_size
+    keys, values = rec.groups * rec.state_dim, rec.inner
+    shapes = {"in_proj_qkvz.weight": (2 * keys + 2 * values, h),
+              "in_proj_ba.weight": (2 * rec.heads, h), "dt_bias": (rec.heads,),
+              "A_log": (rec.heads,), "norm.weight": (rec.head_dim,),
+              "out_proj.weight": (h, values)}
+    parts = {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
+    parts[f"{kit}conv1d"] = [(f"{hf}conv1d.weight", (2 * keys + values, 1, rec.conv_kernel))]
+    return parts
+
+
+def gated_shared_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """Qwen3-Next's router and experts (Qwen's names), its shared expert and that expert's
+    gate (`shared_expert_gate` [1, H])."""
+    parts = experts_tensors(arch, kit, hf, layer)
+    if arch.shared_expert_intermediate_size:
+        parts.update(gated_mlp_tensors(arch, kit + "shared_expert.", f"{hf}mlp.shared_expert.",
+                                       arch.shared_expert_intermediate_size))
+        parts[f"{kit}shared_expert_gate.weight"] = [(f"{hf}mlp.shared_expert_gate.weight",
+                                                     (1, arch.hidden_size))]
     return parts
 
 
@@ -312,7 +342,7 @@ def copy_into(param: torch.Tensor, parts: list[str], where: dict, converts=None)
     param, row = rows_of(param), 0
     for name, convert in zip(parts, converts or [None] * len(parts)):
         tensor = where[name].get_tensor(name)
-        tensor = rows_of(convert(tensor)) if convert else tensor
+        tensor = rows_of(convert(tensor) if convert else tensor)
         rows = param[row:row + tensor.shape[0]]
         rows.copy_(tensor)
         if not torch.isfinite(rows).all() and torch.isfinite(tensor).all():
@@ -351,8 +381,9 @@ def hf_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for kit_name, parts in layout(model.arch).items():
         param = params[kit_name].detach()
         convert = conversion(model.arch, kit_name, parts[0])
-        if convert and len(parts) == 1:  # one tensor (stacked experts), in its layout
-            tensors[parts[0]] = convert[1](param).cpu().contiguous()
+        if len(parts) == 1:  # one tensor (stacked experts, a convolution), in its layout
+            tensors[parts[0]] = (convert[1](param) if convert else
+                                 param.reshape(shapes[parts[0]])).cpu().contiguous()
             continue
         sizes = [shapes[name][0] for name in parts]
         for name, piece in zip(parts, rows_of(param).split(sizes)):

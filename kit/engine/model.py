@@ -20,6 +20,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.experts import SparseMoE
+from kit.engine.layers.gated_delta import GatedDeltaNet, GatedRMSNorm
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
 from kit.engine.layers.mla_moe import DeepSeekMoE
@@ -28,6 +29,7 @@ from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
 from kit.engine.layers.prefill_attention import soft_cap
+from kit.engine.layers.qwen3_next import GatedAttention, SharedGateMoE
 from kit.measure.device import torch_dtype
 
 
@@ -44,12 +46,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = make_norm(arch)
         # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
+        # Qwen3-Next's gated delta-nets, gated attention and gated shared expert
+        # (kit.engine.layers.gated_delta, kit.engine.layers.qwen3_next)
         latent = bool(arch.latent_size)
-        self.self_attn = (LatentAttention if latent else Attention)(arch, layer_idx)
+        mixer = GatedDeltaNet if arch.is_recurrent(layer_idx) else LatentAttention if latent \
+            else GatedAttention if arch.attn_output_gate else Attention
+        self.self_attn = mixer(arch, layer_idx)
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
-        self.mlp = (DeepSeekMoE if latent else SparseMoE)(arch, layer_idx) if moe \
-            else MLP(arch, layer_idx)
+        experts = DeepSeekMoE if latent else \
+            SharedGateMoE if arch.family == "qwen3_next" else SparseMoE
+        self.mlp = experts(arch, layer_idx) if moe else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
@@ -167,11 +174,13 @@ class Decoder(nn.Module):
         """Layer `layer`'s RoPE: its head size, base and scaling (Llama 3's, YaRN's, Gemma 4's
         proportional; on full layers only when the sliding ones have their own base, as Gemma
         3's and 4's local RoPE is unscaled); () for a layer without RoPE (Llama 4's NoPE
-        layers). Latent attention turns only its qk_rope_head_dim rotary elements."""
+        layers). Latent attention turns only its qk_rope_head_dim rotary elements, Qwen3-Next
+        the first partial_rotary_factor of each head."""
         if not self.arch.uses_rope(layer):
             return ()
         own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
-        dim = self.arch.qk_rope_head_dim or self.arch.layer_head_dim(layer)
+        dim = self.arch.qk_rope_head_dim or \
+            int(self.arch.layer_head_dim(layer) * self.arch.partial_rotary_factor)
         return (dim, self.arch.layer_rope_theta(layer),
                 () if own_base else self.arch.rope_scaling)
 
@@ -233,7 +242,11 @@ def init_weights(model: nn.Module, seed: int) -> None:
             b.fill_(1.0)
     for name, p in sorted(model.named_parameters()):
         owner = model.get_submodule(name.rpartition(".")[0])
-        if isinstance(owner, RMSNorm):
+        if name.endswith(("A_log", "dt_bias")):  # a delta-net's decay: A = 1, dt_bias = 1
+            p.fill_(1.0 if name.endswith("dt_bias") else 0.0)
+        elif name.endswith("conv1d"):  # its taps at a scale that passes the input on
+            p.normal_(0.0, 0.5, generator=gen)
+        elif isinstance(owner, (RMSNorm, GatedRMSNorm)):
             owner.reset_parameters()
             if name.endswith("q_norm.weight") and model.arch.parts.unscaled_scores:
                 p.mul_(p.shape[0] ** -0.5)  # Gemma 4's scores are unscaled: its q_norm scales

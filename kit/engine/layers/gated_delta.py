@@ -158,6 +158,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, arch.rms_norm_eps)
         self.out_proj = Linear(values, h, bias=False)
 
+    def forward(self, x, cos, sin, num_seqs: int, meta=None, handed_on=None):
+        """x [tokens, hidden] (`num_seqs` sequences of equal length) -> [tokens, hidden], from
+        zero states; RoPE's cos and sin unused."""
+        return self.prefill(x, num_seqs)[0]
+
     def project(self, x: torch.Tensor):
         """x [tokens, hidden] -> the convolution's input [q, k, v] [tokens, conv_dim], z
         [tokens, value heads, value_dim], b and a [tokens, value heads], regrouped from the
