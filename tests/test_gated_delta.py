@@ -7,7 +7,8 @@ import torch
 
 from kit.config import ModelConfig
 from kit.engine.layers import gated_delta
-from kit.engine.layers.qwen3_next import GatedAttention, SharedGateMoE
+from kit.engine.layers.gated_attention import GatedAttention
+from kit.engine.layers.shared_gate_moe import SharedGateMoE
 from kit.engine.layers.rotary import rope_cos_sin
 
 transformers = pytest.importorskip("transformers")

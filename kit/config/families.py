@@ -107,7 +107,7 @@ FAMILIES = {
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
-                        qk_norm=True, experts="softmax_topk"),  # kit.engine.layers.qwen3_next
+                        qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every

@@ -29,7 +29,8 @@ from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
 from kit.engine.layers.prefill_attention import soft_cap
-from kit.engine.layers.qwen3_next import GatedAttention, SharedGateMoE
+from kit.engine.layers.gated_attention import GatedAttention
+from kit.engine.layers.shared_gate_moe import SharedGateMoE
 from kit.measure.device import torch_dtype
 
 
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(arch)
         # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
         # Qwen3-Next's gated delta-nets, gated attention and gated shared expert
-        # (kit.engine.layers.gated_delta, kit.engine.layers.qwen3_next)
+        # (kit.engine.layers.gated_delta, gated_attention, shared_gate_moe)
         latent = bool(arch.latent_size)
         mixer = GatedDeltaNet if arch.is_recurrent(layer_idx) else LatentAttention if latent \
             else GatedAttention if arch.attn_output_gate else Attention
