@@ -25,7 +25,6 @@ prefix-cache hash (`BlockPool.free_blocks` prepends them).
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -118,8 +117,9 @@ class GroupedBlockTables:
     def blocks_to_allocate(self, seq_id: int, num_new_tokens: int) -> int:
         """New blocks the next `num_new_tokens` tokens need across groups
         (`get_num_blocks_to_allocate` for a running request)."""
-        need = math.ceil((self.num_computed_tokens[seq_id] + num_new_tokens) / self.block_size)
-        return sum(max(need - len(table), 0) for table in self.tables[seq_id])
+        total = self.num_computed_tokens[seq_id] + num_new_tokens
+        return sum(max(group.spec.blocks_for_tokens(total) - len(table), 0)
+                   for group, table in zip(self.groups, self.tables[seq_id]))
 
     def allocate_slots(self, seq_id: int, num_new_tokens: int) -> StepBlocks:
         """Slots for `num_new_tokens` more tokens of `seq_id` (a new sequence: its prompt, or a
@@ -139,8 +139,8 @@ class GroupedBlockTables:
                               f"{need - self.num_free_blocks} missing")
         total = self.num_computed_tokens[seq_id] + num_new_tokens
         new = []
-        for table in self.tables[seq_id]:
-            blocks = self.pool.take(max(math.ceil(total / self.block_size) - len(table), 0))
+        for group, table in zip(self.groups, self.tables[seq_id]):
+            blocks = self.pool.take(max(group.spec.blocks_for_tokens(total) - len(table), 0))
             table.extend(blocks)
             new.append(tuple(blocks))
         self.num_computed_tokens[seq_id] = total
@@ -155,8 +155,11 @@ class GroupedBlockTables:
 
     def slot(self, seq_id: int, position: int, group: int) -> int:
         """Flat slot index (block id × block_size + offset) of token `position` for the layers
-        of group `group`; a position handed back (null block) is refused."""
-        block = self.tables[seq_id][group][position // self.block_size]
+        of group `group`; a position handed back (null block) is refused. A recurrent group's
+        one block holds the sequence's state: every position maps into it."""
+        table = self.tables[seq_id][group]
+        block = table[0] if self.groups[group].spec.blocks_for_tokens(position + 1) == 1 \
+            else table[position // self.block_size]
         if block == NULL_BLOCK:
             raise ValueError(f"position {position} of sequence {seq_id} left group {group}'s "
                              "window: its block was handed back")

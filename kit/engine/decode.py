@@ -33,6 +33,7 @@ from kit.config import TOLERANCE, Settings
 from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables
 from kit.engine.kv_cache import KVCacheLayout, allocate, cache_blocks
 from kit.engine.layers.attention import AttentionMetadata, attention_span
+from kit.engine.layers.state_slots import allocate_states
 from kit.engine.model import Decoder
 from kit.errors import ConfigError
 from kit.measure.device import synchronize
@@ -58,10 +59,11 @@ def make_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[tor
 
 def peak_blocks(layout: KVCacheLayout, lengths: list[int], steps: int) -> int:
     """Blocks a run's cache needs: vLLM's null block, and the most the sequences hold at once
-    (with full attention only, at the run's end: each prompt plus the tokens fed back; a
+    (with full attention only, at the run's end: each prompt plus the tokens fed back, in
+    every group, a recurrent group's one block per sequence included; a
     sliding group hands back what leaves its window, so the run's block tables are replayed
     to find the peak)."""
-    at_end = sum(layout.blocks_for(n + steps) for n in lengths)
+    at_end = sum(g.spec.blocks_for_tokens(n + steps) for n in lengths for g in layout.groups)
     if not layout.forgets:
         return 1 + at_end
     tables = GroupedBlockTables(1 + at_end * len(layout.groups), layout.groups)
@@ -161,9 +163,13 @@ class PagedBatch:
             torch.full_like(self.block_tables, NULL_BLOCK, device="cpu")
         self.tables_changed = False
         self.allocator, self.held = None, []
+        # a hybrid's recurrent states, a slot per block id (kit.engine.layers.state_slots)
+        self.states = allocate_states(layout, cache_blocks(kv_cache)[0], device)
+        self.state_args = () if self.states is None else (self.states,)
 
     def step_args(self) -> tuple:
-        return (self.input_ids, self.positions, self.block_tables, self.kv_cache)
+        return (self.input_ids, self.positions, self.block_tables, self.kv_cache,
+                *self.state_args)
 
     @torch.no_grad()
     def start(self, model: Decoder, prompts: list[torch.Tensor], prefill=None) -> torch.Tensor:
@@ -198,7 +204,8 @@ class PagedBatch:
             ids = from_host(torch.stack([prompts[i] for i in seqs]), device)
             slot_mapping = from_host(torch.tensor(slots), device)
             last = forward(ids.to(device, non_blocking=True),
-                           slot_mapping.to(device, non_blocking=True), self.kv_cache)
+                           slot_mapping.to(device, non_blocking=True), self.kv_cache,
+                           *self.state_args)
             for row, i in enumerate(seqs):
                 logits[i] = last[row]
         self.send_tables()  # for the first step: the prefill itself reads only slots
@@ -241,25 +248,28 @@ class PagedBatch:
 
 
 def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
-                max_context_len: int | None = None) -> torch.Tensor:
+                max_context_len: int | None = None, states=None) -> torch.Tensor:
     """One decode step for the whole batch: logits [num_seqs, vocab] of the tokens `input_ids`
     at `positions`. Where each token's K and V go (its slot) and how much context each sequence
     sees follow from the positions and the block table, computed here on the device; the
-    attention reads `max_context_len` positions of each (default: the table's width)."""
+    attention reads `max_context_len` positions of each (default: the table's width). A
+    hybrid's recurrent layers update their `states` in place, each sequence's slot the block
+    its recurrent group's table holds."""
     block_size = cache_blocks(kv_cache)[1]
     entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
     block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
     meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,
-                             block_tables, positions + 1, max_context_len)
+                             block_tables, positions + 1, max_context_len, states)
     return model.compute_logits(model.decode(input_ids, positions, meta))
 
 
 def prefill_function(model: Decoder):
     """The prefill as a function of tensors (what a strategy compiles): prompts' ids
-    [num_seqs, len] and their slots [num_seqs * len] in, the keys and values written to
-    `kv_cache`, the logits of each prompt's last token [num_seqs, vocab] out."""
-    def prefill(input_ids, slot_mapping, kv_cache):
-        hidden = model(input_ids, AttentionMetadata(kv_cache, slot_mapping))
+    [num_seqs, len] and their slots [groups, num_seqs * len] in, the keys and values written
+    to `kv_cache` (a hybrid's final recurrent states to `states`, at the slots of its
+    recurrent groups), the logits of each prompt's last token [num_seqs, vocab] out."""
+    def prefill(input_ids, slot_mapping, kv_cache, states=None):
+        hidden = model(input_ids, AttentionMetadata(kv_cache, slot_mapping, states=states))
         return model.compute_logits(hidden[:, -1])
     return prefill
 
@@ -267,8 +277,9 @@ def prefill_function(model: Decoder):
 def step_function(model: Decoder, max_context_len: int | None = None):
     """`decode_step` bound to `model` (and to a batch's `max_context_len`): the function a
     strategy compiles (tensors in, logits out)."""
-    def step(input_ids, positions, block_tables, kv_cache):
-        return decode_step(model, input_ids, positions, block_tables, kv_cache, max_context_len)
+    def step(input_ids, positions, block_tables, kv_cache, states=None):
+        return decode_step(model, input_ids, positions, block_tables, kv_cache, max_context_len,
+                           states)
     return step
 
 

@@ -83,7 +83,8 @@ def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor
     ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
     slots = torch.arange(ids.numel(), device=device).repeat(len(batch.groups), 1)
     return make_runner(prefill_function(model), "guard_free", device,
-                       (ids.to(device), slots, batch.kv_cache), dynamic_dims=PREFILL_DYNAMIC,
+                       (ids.to(device), slots, batch.kv_cache, *batch.state_args),
+                       dynamic_dims=PREFILL_DYNAMIC,
                        inductor_config=CPU_FREEZING)
 
 

@@ -69,28 +69,35 @@ def latent_spec(arch, block_size: int, dtype_bytes: int, traits: BackendTraits) 
     return MLAAttentionSpec(traits.mla_block or block_size, 1, arch.latent_size, dtype_bytes)
 
 
-def state_dtype_bytes(arch, model_dtype_bytes: int, traits: BackendTraits) -> tuple[int, int]:
-    """(conv state, SSM state) bytes per element: the model's dtype for the convolution; the
-    SSM state's config.json setting (Nemotron-H's mamba_ssm_cache_dtype, float32 unless said;
-    Qwen3.5's mamba_ssm_dtype), else the model's; float32 on a CPU with AVX-512 BF16, but for
-    a delta-net's state set to 16 bits (`MambaStateDtypeCalculator`, then the CPU platform)."""
-    named = {"float32": 4, "bfloat16": 2, "float16": 2}
+def state_dtypes(arch, model_dtype: str, traits: BackendTraits) -> tuple[str, str]:
+    """(conv state, SSM state) dtypes: the model's for the convolution; the SSM state's
+    config.json setting (Nemotron-H's mamba_ssm_cache_dtype, float32 unless said; Qwen3.5's
+    mamba_ssm_dtype), else the model's; float32 on a CPU with AVX-512 BF16, but for a
+    delta-net's state set to 16 bits (`MambaStateDtypeCalculator`, then the CPU platform)."""
     rec = arch.recurrent
-    if traits.ssm_float32 and not (rec.kind == "gated_delta_net" and named.get(rec.ssm_dtype) == 2):
-        return model_dtype_bytes, 4
-    return model_dtype_bytes, named.get(rec.ssm_dtype, model_dtype_bytes)
+    sixteen = rec.ssm_dtype in ("bfloat16", "float16")
+    if traits.ssm_float32 and not (rec.kind == "gated_delta_net" and sixteen):
+        return model_dtype, "float32"
+    return model_dtype, rec.ssm_dtype if rec.ssm_dtype in STATE_DTYPE_BYTES else model_dtype
 
 
-def state_spec(arch, block_size: int, model_dtype_bytes: int, tensor_parallel_size: int,
+STATE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def state_spec(arch, block_size: int, model_dtype: str, tensor_parallel_size: int,
                traits: BackendTraits, prefix_caching: bool = True) -> MambaSpec:
     """A recurrent layer's state on one rank, kept as vLLM's `mamba_cache_mode` says: "align"
     with prefix caching (vLLM's default), "none" without; Mamba-2 keeps one more state for
-    its prefill's checkpoint in "align"."""
+    its prefill's checkpoint in "align". Its shapes and dtypes are what a run allocates
+    (`kit.engine.layers.state_slots`)."""
     rec, tp = arch.recurrent, tensor_parallel_size
-    conv, ssm = state_dtype_bytes(arch, model_dtype_bytes, traits)
+    dtypes = state_dtypes(arch, model_dtype, traits)
+    conv, ssm = (STATE_DTYPE_BYTES[d] for d in dtypes)
     state = rec.conv_elements(tp) * conv + rec.ssm_elements(tp) * ssm
+    shapes = ((rec.conv_elements(tp) // (rec.conv_kernel - 1), rec.conv_kernel - 1),
+              (rec.heads // tp, rec.head_dim, rec.state_dim))
     return MambaSpec(block_size, state, rec.kind, "align" if prefix_caching else "none",
-                     1 if rec.kind == "mamba2" else 0)
+                     1 if rec.kind == "mamba2" else 0, shapes=shapes, dtypes=dtypes)
 
 
 def align_hybrid(specs: tuple[KVCacheSpec, ...], block_size: int,

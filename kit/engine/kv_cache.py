@@ -68,7 +68,7 @@ def layer_spec(arch, layer: int, block_size: int, model_dtype: str, dtype_bytes:
     """Layer `layer`'s spec: a recurrent state, a latent, or keys and values per head over
     its window, chunk or every position (`kit.engine.kv_specs`, `kit.engine.hybrid_cache`)."""
     if arch.is_recurrent(layer):
-        return state_spec(arch, block_size, DTYPE_BYTES[model_dtype], tensor_parallel_size,
+        return state_spec(arch, block_size, model_dtype, tensor_parallel_size,
                           traits, prefix_caching)
     if arch.latent_size:
         return latent_spec(arch, block_size, dtype_bytes, traits)
@@ -224,7 +224,13 @@ class KVCacheLayout:
     @property
     def latent(self) -> bool:
         """Whether the layers keep a latent per token (MLA), not K and V per head."""
-        return isinstance(self.groups[0].spec, MLAAttentionSpec)
+        return isinstance(self.attention_groups[0].spec, MLAAttentionSpec)
+
+    @property
+    def attention_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups whose pages hold tokens (a hybrid's recurrent states are kept apart in
+        a run: `kit.engine.layers.state_slots`)."""
+        return tuple(g for g in self.groups if not isinstance(g.spec, MambaSpec))
 
     @property
     def has_states(self) -> bool:
@@ -233,13 +239,15 @@ class KVCacheLayout:
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
-        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j. Latent attention keeps
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j (a hybrid's recurrent
+        layers keep their states beside it: `kit.engine.layers.state_slots`). Latent attention keeps
         one latent per token and no K/V pair: [group size, num_blocks, block_size,
         kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Layers
         whose heads differ (Gemma 4's full layers) read and write the same bytes per token in
         their own shape; groups of different block sizes are not run by the kit's decode."""
-        spec = self.groups[0].spec
-        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.groups}) > 1:
+        attention = self.attention_groups
+        spec = attention[0].spec
+        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in attention}) > 1:
             raise ConfigError(
                 "the kit's paged decode runs one block size with the same bytes per token in "
                 f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "

@@ -47,6 +47,11 @@ class KVCacheSpec:
         """Tokens the next token's attention skips: none, unless the layer forgets."""
         return 0
 
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens holds in this layer's group (before any
+        go back)."""
+        return math.ceil(num_tokens / self.block_size)
+
     def tokens_read(self, context_len: int) -> int:
         """Tokens a decode step attends to, of a context of `context_len` (its new one in)."""
         return context_len
@@ -181,6 +186,11 @@ class MambaSpec(KVCacheSpec):
     cache_mode: str = "align"     # "align" with prefix caching, else "none"
     checkpoint_blocks: int = 0
     page_size_padded: int | None = field(default=None, kw_only=True)
+    # one state's two tensors as a run keeps them (vLLM's `MambaSpec.shapes` and `dtypes`):
+    # the convolution's [conv_dim, conv_kernel - 1] and the SSM's [heads, head_dim, d_state]
+    # (a delta-net's [value heads, value head dim, key head dim]), each in its dtype
+    shapes: tuple = field(default=(), kw_only=True)
+    dtypes: tuple = field(default=(), kw_only=True)
     sliding_window = None
 
     @property
@@ -200,6 +210,11 @@ class MambaSpec(KVCacheSpec):
 
     def tokens_read(self, context_len: int) -> int:
         return 0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """One block, whatever the length: the state's (a run without prefix caching keeps
+        one state per request, as vLLM's `mamba_cache_mode` "none" does)."""
+        return 1 if num_tokens else 0
 
     def describe(self) -> str:
         return {"mamba2": "Mamba-2 state", "gated_delta_net": "gated delta-net state"}[self.kind]

@@ -209,13 +209,15 @@ class Decoder(nn.Module):
 
     def bind_kv_cache(self, layout) -> None:
         """Give every attention layer its KV cache group and cache slice from the run's layout
-        (`kit.engine.kv_cache.KVCacheLayout`), as vLLM's runner binds each layer to its cache;
-        the layout must be this model's."""
-        if layout.num_layers != len(self.layers):
+        (`kit.engine.kv_cache.KVCacheLayout`), and every recurrent layer its group and place
+        (`kit.engine.layers.state_slots`), as vLLM's runner binds each layer to its cache;
+        the layout must be this model's (its layers without a mixer have no cache)."""
+        mixers = [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+        if layout.num_layers != len(mixers):
             raise ValueError(f"a layout of {layout.num_layers} layers for a model of "
-                             f"{len(self.layers)}")
-        for layer in self.layers:
-            layer.self_attn.bind_kv_cache(layout)
+                             f"{len(mixers)} with a cache")
+        for mixer in mixers:
+            mixer.bind_kv_cache(layout)
 
     def multiply_in(self, dtype: torch.dtype | None) -> None:
         """Compiled code runs every product with the weights in `dtype` (None: the weights'

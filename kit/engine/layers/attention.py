@@ -30,6 +30,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import NORMS, rms_normalize
 from kit.engine.layers.rotary import apply_rope
+from kit.engine.layers.state_slots import RecurrentStates
 from kit.engine.layers.prefill_attention import prefill_attention, sink_softmax, soft_cap
 
 
@@ -47,6 +48,8 @@ class AttentionMetadata(NamedTuple):
     context_lens:    [num_seqs] tokens each sequence attends to (its new token included)
     max_context_len: positions a decode step reads per sequence, fixed for the batch (its
                      longest context, `attention_span`); None: the table's whole width
+    states:          the recurrent layers' states, a slot per block id of their groups
+                     (`kit.engine.layers.state_slots.RecurrentStates`); None without any
 
     A NamedTuple, so torch.compile traces it without guarding on Python state but the one int,
     which stays the same for a batch (vLLM's attention metadata carries `max_seq_len` too).
@@ -58,6 +61,7 @@ class AttentionMetadata(NamedTuple):
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int | None = None
+    states: "RecurrentStates | None" = None
 
 
 def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch.Tensor,
