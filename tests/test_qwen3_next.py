@@ -9,8 +9,10 @@ import torch
 import kit
 from kit.config import ModelConfig
 from kit.config.settings import check_runnable
+from kit.engine.decode import check_against_no_cache
 from kit.errors import ConfigError
-from tests.test_checkpoint import edit_tensors, kit_and_reference_logits, relative_error
+from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
+                                   kit_paged_decode, reference_model, relative_error)
 
 # 3 gated delta-nets and 1 attention layer; 2 key heads serving 4 value heads; experts on 3
 # layers (layer 1 dense: mlp_only_layers), a quarter of each attention head turned by RoPE
@@ -63,6 +65,31 @@ def test_prefill_logits_match_transformers(tmp_path):
     error = relative_error(got, expected)
     print(f"qwen3_next: prefill max |kit - transformers| / max |logit| = {error:.2e}")
     assert error <= kit.config.TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("strategy", [
+    "eager", pytest.param("guard_free", marks=pytest.mark.slow)])  # (compiles)
+def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(tmp_path,
+                                                                                 strategy):
+    """Prompts of 5, 8 and 11 tokens, 6 greedy steps (the attention's blocks raised to 32 by
+    the hybrid's page rule): every step's logits (the prefill's included) within float32's
+    1e-4 of transformers' forward over the prompt and the tokens fed back, and of the kit's
+    own `no_cache_logits` (each delta-net's states from the slot its group's block holds)."""
+    folder = transformers_checkpoint(tmp_path)
+    reference = reference_model(folder, torch.float32)
+    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
+        worst = max(worst, *(relative_error(run.logits[t, i], expected[t]) for t in range(7)))
+    print(f"qwen3_next {strategy}: paged decode, 6 steps, max |kit - transformers| / "
+          f"max |logit| = {worst:.2e}")
+    assert worst <= kit.config.TOLERANCE["float32"]
+    own = check_against_no_cache(kit_model(folder), prompts, run, "float32")
+    print(f"qwen3_next {strategy}: against no_cache_logits {own.max_error:.2e}")
+    assert own.ok and own.token_agreement == 1.0
 
 
 @pytest.mark.parametrize("changes,message", [

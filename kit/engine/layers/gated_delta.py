@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kit.engine.layers.linear import Linear
+from kit.engine.layers.state_slots import state_slots
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -157,11 +158,34 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, arch.rms_norm_eps)
         self.out_proj = Linear(values, h, bias=False)
+        self.state_group = self.place = self.block_size = None  # set by `bind_kv_cache`
+
+    def bind_kv_cache(self, layout) -> None:
+        """This layer's recurrent group (whose block holds a sequence's states), its place
+        (which row of the states' tensors) and the block size: plain numbers."""
+        self.state_group, self.place = layout.place(self.layer_idx)
+        self.block_size = layout.block_size
 
     def forward(self, x, cos, sin, num_seqs: int, meta=None, handed_on=None):
-        """x [tokens, hidden] (`num_seqs` sequences of equal length) -> [tokens, hidden], from
-        zero states; RoPE's cos and sin unused."""
-        return self.prefill(x, num_seqs)[0]
+        """x [tokens, hidden] (`num_seqs` sequences of equal length, or one token each in a
+        decode step, `meta.block_tables` given) -> [tokens, hidden]; RoPE's cos and sin
+        unused. With `meta.states`, a prefill writes each sequence's final states to its slot
+        (`kit.engine.layers.state_slots`) and a decode step moves them on there."""
+        if meta is None or meta.states is None:
+            return self.prefill(x, num_seqs)[0]
+        if self.state_group is None:
+            raise RuntimeError("the model's layers have no state slots: call "
+                               "model.bind_kv_cache(layout) before a paged forward")
+        slots = state_slots(meta, self.state_group, self.block_size, num_seqs)
+        conv, ssm = meta.states.conv[self.place], meta.states.ssm[self.place]
+        if meta.block_tables is not None:
+            conv_state, state = conv[slots], ssm[slots]  # (copies, written back below)
+            out = self.step(x, conv_state, state)
+        else:
+            out, conv_state, state = self.prefill(x, num_seqs)
+        conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+        ssm.index_copy_(0, slots, state.to(ssm.dtype))
+        return out
 
     def project(self, x: torch.Tensor):
         """x [tokens, hidden] -> the convolution's input [q, k, v] [tokens, conv_dim], z
