@@ -92,6 +92,26 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
     assert own.ok and own.token_agreement == 1.0
 
 
+def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path):
+    """In bfloat16 (vLLM's CPU engine runs a gated delta-net in bf16 only), on the weights as
+    written: every step within the kit's bf16 tolerance of transformers in bf16 and of the
+    kit's no-cache reference, every greedy token the reference's."""
+    folder = transformers_checkpoint(tmp_path, spread_weights=False)
+    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager", "bfloat16")
+    reference = reference_model(folder, torch.bfloat16)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    own = check_against_no_cache(kit_model(folder, "bfloat16"), prompts, run, "bfloat16")
+    print(f"qwen3_next bf16: against transformers {worst:.2e}, no_cache_logits "
+          f"{own.max_error:.2e}")
+    assert worst <= kit.config.TOLERANCE["bfloat16"]
+    assert own.ok and own.token_agreement == 1.0
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"attention_bias": True}, "attention_bias=True"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),

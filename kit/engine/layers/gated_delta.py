@@ -48,7 +48,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, to
     first)."""
     taps = weight.shape[-1]
     xt = x.transpose(1, 2)
-    out = F.conv1d(xt.to(weight.dtype), weight[:, None], padding=taps - 1,
+    out = F.conv1d(xt.float(), weight.float()[:, None], padding=taps - 1,
                    groups=weight.shape[0])[..., :x.shape[1]]
     state = F.pad(xt, (max(taps - 1 - x.shape[1], 0), 0))[..., -(taps - 1):]
     return F.silu(out).to(x.dtype).transpose(1, 2), state
@@ -60,7 +60,7 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -
     [seqs, channels] (transformers' `causal_conv1d_update`)."""
     window = torch.cat([conv_state, x[..., None].to(conv_state.dtype)], dim=-1)
     conv_state.copy_(window[..., 1:])
-    out = (window.to(weight.dtype) * weight).sum(-1)
+    out = (window.float() * weight.float()).sum(-1)
     return F.silu(out).to(x.dtype)
 
 
@@ -89,7 +89,7 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     (I + tril(βK Kᵀ ⊙ D, -1)) u = βV - (the same solve of βK exp(c)) S, and
     out = (Q exp(c)) S + (Q Kᵀ ⊙ D) u, S <- S exp(c_last) + (K exp(c_last - c))ᵀ u."""
     seqs, length, heads, key_dim = k.shape
-    value_dim = v.shape[-1]
+    value_dim, dtype = v.shape[-1], v.dtype
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
     q = q * key_dim ** -0.5
     pad = -length % chunk
@@ -115,7 +115,7 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
         s = s * c[:, :, i, -1, None, None].exp() + k_decayed[:, :, i].transpose(-1, -2) \
             @ corrections
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :length]
-    return out.transpose(1, 2).to(v.dtype), s.transpose(-1, -2)
+    return out.transpose(1, 2).to(dtype), s.transpose(-1, -2)
 
 
 class GatedRMSNorm(nn.Module):
@@ -226,7 +226,7 @@ class GatedDeltaNet(nn.Module):
                                             self.conv1d[:, 0])
         q, k, v, g, beta = self.heads(convolved, b.view(*per_seq, self.value_heads),
                                       a.view(*per_seq, self.value_heads))
-        out, state = chunked_delta_rule(q, k, v.to(x.dtype), g, beta)
+        out, state = chunked_delta_rule(q, k, v, g, beta)
         return self.output(out.flatten(0, 1), z), conv_state, state
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor):
