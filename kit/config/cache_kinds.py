@@ -28,6 +28,7 @@ LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": "full_attention", "moe": MLP
 NEMOTRON_PATTERN = {"M": LINEAR, "*": "full_attention", "-": MLP_ONLY, "E": MLP_ONLY}
 LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
 STATE_FAMILIES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text")
+MAMBA2_FAMILIES = STATE_FAMILIES[:2]
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # the reading below would assume otherwise (vLLM reads configs through those classes too).
 SIZED_DEFAULTS = {
@@ -65,6 +66,8 @@ class Recurrent:
     ssm_dtype: str | None = None  # the temporal state's dtype where config.json sets it
     conv_bias: bool = False  # the convolution's bias (Mamba-2's conv_bias)
     proj_bias: bool = False  # the input and output projections' biases (Mamba-2's)
+    chunk_size: int = 256    # a prefill's scan runs by chunks of this many positions
+    norm_groups: int = 1     # the gated norm's groups (vLLM's `Mixer2RMSNormGated`)
 
     def groups_per_rank(self, tp: int) -> int:
         """Mamba-2's groups, extended so every rank holds whole ones (vLLM's
@@ -115,14 +118,18 @@ def recurrent_of(hf: dict, family: str) -> Recurrent | None:
                          inner // heads if head_dim == "auto" else head_dim,
                          hf.get("mamba_d_state", 256), hf.get("mamba_n_groups", 1), inner,
                          conv_bias=bool(hf.get("mamba_conv_bias")),
-                         proj_bias=bool(hf.get("mamba_proj_bias")))
+                         proj_bias=bool(hf.get("mamba_proj_bias")),
+                         chunk_size=hf.get("mamba_chunk_size") or 256,
+                         norm_groups=hf.get("mamba_n_groups", 1))
     if family == "nemotron_h":
         heads, head_dim = hf.get("mamba_num_heads", 128), hf.get("mamba_head_dim", 64)
         return Recurrent("mamba2", hf.get("conv_kernel", 4), heads, head_dim,
                          hf.get("ssm_state_size", 128), hf.get("n_groups", 8), heads * head_dim,
                          hf.get("mamba_ssm_cache_dtype") or "float32",
                          conv_bias=bool(hf.get("use_conv_bias")),
-                         proj_bias=bool(hf.get("use_bias")))
+                         proj_bias=bool(hf.get("use_bias")),
+                         chunk_size=hf.get("chunk_size") or 128,
+                         norm_groups=hf.get("n_groups", 8))
     if family in ("qwen3_next", "qwen3_5_text"):
         heads, head_dim = hf.get("linear_num_value_heads", 32), hf.get("linear_value_head_dim", 128)
         return Recurrent("gated_delta_net", hf.get("linear_conv_kernel_dim", 4), heads, head_dim,

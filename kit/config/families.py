@@ -64,7 +64,7 @@ class Parts:
     layer_scalar: bool = False
     gemma4: bool = False
     # sized as vLLM sizes it (kit.config.cache_kinds): latent attention, Mamba-2 and gated
-    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2)
+    # delta-net layers; `runs`: whether the decoder builds it too (DeepSeek-V2, Granite-4.0-H)
     sized_only: bool = False
     runs: bool = True
 
@@ -101,10 +101,11 @@ FAMILIES = {
     "llama4_text": Parts("Llama4ForCausalLM", experts="topk_sigmoid", expert_names="llama4",
                          shared_expert=True, experts_scale_input=True, mlp_name="feed_forward",
                          rope_pairs="interleaved"),
-    # Caches not K and V per head (kit.config.cache_kinds): sized; DeepSeek-V2 runs (layers.mla)
+    # Caches not K and V per head (kit.config.cache_kinds): sized; those with `runs` run too
     "deepseek_v2": Parts("DeepseekV2ForCausalLM", sized_only=True, experts="softmax_topk"),
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, runs=False),
-    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True, runs=False),
+    "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True,
+                              experts="topk_softmax", shared_expert=True),
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, runs=False),
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
                         qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
@@ -193,8 +194,7 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("kimi_k2", "minicpm3", "deepseek_v32"),
-    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe",
-                           "minimax_m2"),
+    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe", "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "falcon_h1", "bamba",
                                                "zamba2", "lfm2", "qwen3_5_moe_text"),
 }
@@ -272,7 +272,7 @@ def check_family(family, name: str) -> None:
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
         "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
-        f"or DeepSeek-V2's latent attention; it sizes (not yet runs) "
+        f"DeepSeek-V2's latent attention or Granite's Mamba-2; it sizes (not yet runs) "
         f"{runnable_families(sized_only=True)}.")
 
 

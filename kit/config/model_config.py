@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kit.config.cache_kinds import (LATENT_FAMILIES, LINEAR, MLP_ONLY, Recurrent,
-                                    sized_only_fields)
+from kit.config.cache_kinds import (LATENT_FAMILIES, LINEAR, MAMBA2_FAMILIES, MLP_ONLY,
+                                    Recurrent, sized_only_fields)
 from kit.config.data import MODELS_DIR, known_names
 from kit.config.deepseek import DeepSeekRouting, deepseek_fields
 from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
@@ -15,6 +15,7 @@ from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UN
                                  layer_types, mlp_kinds, rope, with_family_defaults)
 from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
+from kit.config.hybrid import HybridScales, hybrid_fields
 from kit.config.llama4 import llama4_fields, llama4_keys
 from kit.config.qwen3_next import qwen3_next_fields
 from kit.config.parameter_counts import ParameterCounts
@@ -94,6 +95,7 @@ class ModelConfig(ParameterCounts):
     source_config: str = ""
     deepseek: DeepSeekRouting | None = None  # DeepSeek's router and score factor
     partial_rotary_factor: float = 1.0  # the fraction of each head RoPE turns (Qwen3-Next)
+    hybrid: HybridScales | None = None  # a Mamba-2 hybrid's factors (kit.config.hybrid)
 
     @classmethod
     def from_dict(cls, hf: dict, name: str, checkpoint: str | None = None) -> "ModelConfig":
@@ -106,6 +108,8 @@ class ModelConfig(ParameterCounts):
                 fields.update(deepseek_fields(hf, name))
             elif family == "qwen3_next":
                 fields.update(qwen3_next_fields(hf, name))
+            elif family in MAMBA2_FAMILIES:
+                fields.update(hybrid_fields(hf, family, name))
             return cls(name=name, family=family, checkpoint=checkpoint, **fields)
         check_keys(hf, name)
         hf = with_family_defaults(hf, family)
@@ -213,6 +217,8 @@ class ModelConfig(ParameterCounts):
         and K norms set the scale)."""
         if self.parts.unscaled_scores:
             return 1.0
+        if self.hybrid and self.hybrid.attention_multiplier is not None:  # Granite's
+            return self.hybrid.attention_multiplier
         factor = self.deepseek.score_factor if self.deepseek else 1.0  # YaRN's mscale²
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * factor
 

@@ -13,6 +13,7 @@ from dataclasses import InitVar, asdict, dataclass, fields
 
 from kit.config.data import DEFAULT_PRESET, read_preset
 from kit.config.deepseek import check_latent_run
+from kit.config.hybrid import check_hybrid_run
 from kit.config.qwen3_next import check_gated_delta_run
 from kit.config.families import runnable_families
 from kit.config.model_config import ModelConfig
@@ -41,6 +42,8 @@ def check_runnable(arch) -> None:
     (`kit.config.deepseek.check_latent_run`)."""
     if arch.deepseek is not None and arch.parts.runs:
         check_latent_run(arch)
+    if arch.hybrid is not None and arch.parts.runs:
+        check_hybrid_run(arch)
     if arch.family == "qwen3_next" and arch.parts.runs:
         check_gated_delta_run(arch)
     if not arch.parts.runs:

@@ -103,6 +103,9 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
         parts["lm_head.weight"] = [("lm_head.weight", (vocab, h))]
     for i in range(arch.num_hidden_layers):
         kit, hf = f"layers.{i}.", f"model.layers.{i}."
+        if arch.family == "granitemoehybrid":
+            parts.update(granite_layer_tensors(arch, kit, hf, i))
+            continue
         attention = latent_attention_tensors if arch.latent_size else attention_tensors
         if arch.is_recurrent(i) and arch.recurrent.kind == "gated_delta_net":
             parts.update(gated_delta_tensors(arch, kit + "self_attn.", hf + "linear_attn."))
@@ -120,6 +123,46 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     if arch.hidden_size_per_layer_input:
         parts.update(per_layer_input_tensors(arch))
     return parts
+
+
+def granite_layer_tensors(arch: ModelConfig, kit: str, hf: str, layer: int) -> dict:
+    """A Granite-4.0-H layer: its Mamba-2 mixer (`mamba.*`) or attention, its two norms, and
+    its experts (`block_sparse_moe`: the router's `router.layer`, every expert's gate and up
+    rows in `input_linear` [E, 2I, H], `output_linear` [E, H, I]: the kit's layout) beside the
+    shared MLP (`shared_mlp`, gate and up in `input_linear`), or that MLP alone."""
+    h = arch.hidden_size
+    parts = mamba2_tensors(arch, kit + "self_attn.", hf + "mamba.") if arch.is_recurrent(layer) \
+        else attention_tensors(arch, kit + "self_attn.", hf + "self_attn.", layer)
+    for norm in arch.parts.layer_norms:
+        parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
+    shared = arch.shared_expert_intermediate_size if arch.is_moe(layer) else arch.intermediate_size
+    mlp = f"{kit}mlp.shared_expert." if arch.is_moe(layer) else f"{kit}mlp."
+    parts.update({f"{mlp}gate_up_proj.weight": [(f"{hf}shared_mlp.input_linear.weight",
+                                                 (2 * shared, h))],
+                  f"{mlp}down_proj.weight": [(f"{hf}shared_mlp.output_linear.weight", (h, shared))]})
+    if arch.is_moe(layer):
+        e, inter, moe = arch.num_experts, arch.moe_intermediate_size, f"{hf}block_sparse_moe."
+        parts.update({
+            f"{kit}mlp.gate.weight": [(f"{moe}router.layer.weight", (e, h))],
+            f"{kit}mlp.experts.gate_up_proj": [(f"{moe}input_linear.weight", (e, 2 * inter, h))],
+            f"{kit}mlp.experts.down_proj": [(f"{moe}output_linear.weight", (e, h, inter))]})
+    return parts
+
+
+def mamba2_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A Mamba-2 mixer (`kit.engine.layers.mamba2`), under transformers' and vLLM's names."""
+    rec, h = arch.recurrent, arch.hidden_size
+    conv_dim = rec.inner + 2 * rec.groups * rec.state_dim
+    shapes = {"in_proj.weight": (rec.inner + conv_dim + rec.heads, h),
+              "conv1d.weight": (conv_dim, 1, rec.conv_kernel), "dt_bias": (rec.heads,),
+              "A_log": (rec.heads,), "D": (rec.heads,), "norm.weight": (rec.inner,),
+              "out_proj.weight": (h, rec.inner)}
+    if rec.conv_bias:
+        shapes["conv1d.bias"] = (conv_dim,)
+    if rec.proj_bias:
+        shapes.update({"in_proj.bias": (rec.inner + conv_dim + rec.heads,),
+                       "out_proj.bias": (h,)})
+    return {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
 
 
 def gemma4_layer_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:

@@ -19,8 +19,9 @@ from torch import nn
 from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
+from kit.engine.layers.mamba2 import Mamba2Mixer
 from kit.engine.layers.experts import SparseMoE
-from kit.engine.layers.gated_delta import GatedDeltaNet, GatedRMSNorm
+from kit.engine.layers.gated_delta import GatedDeltaNet, HeadGatedNorm
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
 from kit.engine.layers.mla_moe import DeepSeekMoE
@@ -46,13 +47,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = make_norm(arch)
-        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla)
-        # Qwen3-Next's gated delta-nets, gated attention and gated shared expert
+        # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla);
+        # a hybrid's recurrent layers mix tokens with Mamba-2 or a gated delta-net in
+        # attention's place; Qwen3-Next's attention and shared expert are gated
         # (kit.engine.layers.gated_delta, gated_attention, shared_gate_moe)
         latent = bool(arch.latent_size)
-        mixer = GatedDeltaNet if arch.is_recurrent(layer_idx) else LatentAttention if latent \
+        recurrent = GatedDeltaNet if arch.recurrent and arch.recurrent.kind == "gated_delta_net" \
+            else Mamba2Mixer
+        mixer = recurrent if arch.is_recurrent(layer_idx) else LatentAttention if latent \
             else GatedAttention if arch.attn_output_gate else Attention
         self.self_attn = mixer(arch, layer_idx)
+        # Granite: each sub-layer's output scaled before it joins the residual stream
+        self.residual_multiplier = arch.hybrid.residual_multiplier if arch.hybrid else 1.0
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
         experts = DeepSeekMoE if latent else \
@@ -61,8 +67,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.scaled(self.self_attn(self.input_layernorm(x), cos, sin, num_seqs, meta))
+        return x + self.scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class SandwichLayer(DecoderLayer):
@@ -141,6 +150,8 @@ class Decoder(nn.Module):
         if self.parts.scale_embeddings:  # by sqrt(hidden_size) rounded to the model dtype, as
             # transformers and vLLM round it (Gemma)
             x = x * torch.tensor(self.arch.hidden_size ** 0.5, dtype=x.dtype)
+        if self.arch.hybrid and self.arch.hybrid.embedding_multiplier != 1.0:  # Granite
+            x = x * self.arch.hybrid.embedding_multiplier
         return x
 
     def forward(self, input_ids: torch.Tensor,
@@ -204,6 +215,8 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        if self.arch.hybrid and self.arch.hybrid.logits_scaling != 1.0:  # Granite
+            logits = logits / self.arch.hybrid.logits_scaling
         cap = self.arch.final_logit_softcapping
         return logits if cap is None else soft_cap(logits, cap)
 
@@ -245,11 +258,12 @@ def init_weights(model: nn.Module, seed: int) -> None:
             b.fill_(1.0)
     for name, p in sorted(model.named_parameters()):
         owner = model.get_submodule(name.rpartition(".")[0])
-        if name.endswith(("A_log", "dt_bias")):  # a delta-net's decay: A = 1, dt_bias = 1
+        delta_net = isinstance(owner, GatedDeltaNet)
+        if delta_net and name.endswith(("A_log", "dt_bias")):  # its decay: A = 1, dt_bias = 1
             p.fill_(1.0 if name.endswith("dt_bias") else 0.0)
-        elif name.endswith("conv1d"):  # its taps at a scale that passes the input on
+        elif delta_net and name.endswith("conv1d"):  # taps at a scale that passes x on
             p.normal_(0.0, 0.5, generator=gen)
-        elif isinstance(owner, (RMSNorm, GatedRMSNorm)):
+        elif isinstance(owner, (RMSNorm, HeadGatedNorm)):
             owner.reset_parameters()
             if name.endswith("q_norm.weight") and model.arch.parts.unscaled_scores:
                 p.mul_(p.shape[0] ** -0.5)  # Gemma 4's scores are unscaled: its q_norm scales

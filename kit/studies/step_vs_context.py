@@ -55,9 +55,12 @@ class ContextCurve:
 
 def variants(arch, window: int) -> dict[str, object]:
     """The model as configured, and the same shape with the other kind of attention; a
-    latent attention model alone (its layers take no window: vLLM's MLA has none)."""
+    latent attention model alone (its layers take no window: vLLM's MLA has none), and a
+    hybrid alone (its recurrent layers read a fixed state whatever the context)."""
     if arch.latent_size:
         return {"as configured (latent attention)": arch}
+    if arch.recurrent:
+        return {"as configured (recurrent and attention layers)": arch}
     if any(arch.window(i) for i in range(arch.num_hidden_layers)):
         return {"as configured (sliding windows)": arch,
                 "all full attention": with_layer_pattern(arch, 1)}

@@ -16,7 +16,7 @@ per token (vLLM's `MambaSpec`, `kit.config.cache_kinds.Recurrent`).
                   S <- S · exp(g)
                   S <- S + beta · (v - S k) ⊗ k          (the delta rule)
                   out = S q
-    output    RMSNorm(out) × its weight × SiLU(z) per value head (`GatedRMSNorm`), out_proj
+    output    RMSNorm(out) × its weight × SiLU(z) per value head (`HeadGatedNorm`), out_proj
 
 A prefill runs the recurrence by chunks of 64 tokens (`chunked_delta_rule`: transformers'
 `torch_chunk_gated_delta_rule`, the arithmetic of vLLM's `chunk_gated_delta_rule` kernels):
@@ -118,7 +118,7 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     return out.transpose(1, 2).to(dtype), s.transpose(-1, -2)
 
 
-class GatedRMSNorm(nn.Module):
+class HeadGatedNorm(nn.Module):
     """RMSNorm of each value head's output (float32), times its weight (stored as is, not as
     an offset from 1), times SiLU(z) (transformers' `Qwen3NextRMSNormGated`)."""
 
@@ -156,7 +156,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Parameter(torch.empty(self.conv_dim, 1, r.conv_kernel))  # as stored
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
         self.A_log = nn.Parameter(torch.empty(self.value_heads))
-        self.norm = GatedRMSNorm(self.value_dim, arch.rms_norm_eps)
+        self.norm = HeadGatedNorm(self.value_dim, arch.rms_norm_eps)
         self.out_proj = Linear(values, h, bias=False)
         self.state_group = self.place = self.block_size = None  # set by `bind_kv_cache`
 
