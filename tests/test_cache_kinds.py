@@ -151,9 +151,9 @@ def test_the_specs_of_each_kind():
 
 
 def test_a_run_of_a_model_sized_only_is_refused_by_name():
-    with pytest.raises(ConfigError, match="qwen3_next.*sizes it exactly as vLLM"):
-        kit.load("cpu-small", model="qwen3-next-80b-a3b")
-    settings = kit.load("cpu-small", sizing_only=True, model="qwen3-next-80b-a3b",
+    with pytest.raises(ConfigError, match="qwen3_5_text.*sizes it exactly as vLLM"):
+        kit.load("cpu-small", model="qwen3.5-27b")
+    settings = kit.load("cpu-small", sizing_only=True, model="qwen3.5-27b",
                         max_model_len=4096)
     assert KVCacheLayout.for_settings(settings).block_size > settings.block_size
 

@@ -63,8 +63,7 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
-    # sized as vLLM sizes it (kit.config.cache_kinds): latent attention, Mamba-2 and gated
-    # delta-net layers; `runs`: whether the decoder builds it too
+    # sized by kit.config.cache_kinds (latent, Mamba-2, delta-nets); `runs`: built by the decoder
     sized_only: bool = False
     runs: bool = True
 
@@ -106,8 +105,9 @@ FAMILIES = {
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, experts="softmax_topk"),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True,
                               experts="topk_softmax", shared_expert=True),
-    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: Mamba-2, attention, MLP)
-    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, runs=False),
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: its MoE refused)
+    "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
+                        qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
@@ -123,8 +123,7 @@ EXPERT_NAMES = {"qwen": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
                 # gpt-oss: every expert in one tensor per matrix (kit.engine.checkpoint)
                 "gpt_oss": ("mlp", "router", "gate_up_proj", "gate_up_proj", "down_proj"),
                 # Llama 4: stacked too, gate's columns then up's ([E, H, 2I]), no biases
-                "llama4": ("feed_forward", "router", "gate_up_proj", "gate_up_proj",
-                           "down_proj")}
+                "llama4": ("feed_forward", "router", "gate_up_proj", "gate_up_proj", "down_proj")}
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # that differs from the kit's plain reading (vLLM reads configs through those classes too):
 # a Gemma 2 config without caps is capped at 50 and 30, a Mistral one without sliding_window
@@ -194,7 +193,8 @@ def with_family_defaults(hf: dict, family: str) -> dict:
 # Kinds of model the decoder does not build, refused before any work by what they need.
 OUT_OF_REACH = {
     "multi-head latent attention": ("kimi_k2", "minicpm3", "deepseek_v32"),
-    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe", "minimax_m2"),
+    "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe",
+                           "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "falcon_h1", "bamba",
                                                "zamba2", "lfm2", "qwen3_5_moe_text"),
 }
@@ -272,8 +272,8 @@ def check_family(family, name: str) -> None:
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
         "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
-        "DeepSeek's latent attention or Granite's and Nemotron-H's Mamba-2; it sizes (not "
-        f"yet runs) {runnable_families(sized_only=True)}.")
+        "DeepSeek's latent attention, Mamba-2 (Granite, Nemotron-H) or Qwen3-Next's delta-nets; "
+        f"it sizes (not yet runs) {runnable_families(sized_only=True)}.")
 
 
 def runnable_families(sized_only: bool = False) -> list[str]:

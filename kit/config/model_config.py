@@ -17,6 +17,7 @@ from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
 from kit.config.hybrid import HybridScales, hybrid_fields
 from kit.config.llama4 import llama4_fields, llama4_keys
+from kit.config.qwen3_next import qwen3_next_fields
 from kit.config.parameter_counts import ParameterCounts
 from kit.errors import ConfigError
 
@@ -93,6 +94,7 @@ class ModelConfig(ParameterCounts):
     router_score_bias: bool = False
     source_config: str = ""
     deepseek: DeepSeekRouting | None = None  # DeepSeek's router and score factor
+    partial_rotary_factor: float = 1.0  # the fraction of each head RoPE turns (Qwen3-Next)
     hybrid: HybridScales | None = None  # a Mamba-2 hybrid's factors (kit.config.hybrid)
 
     @classmethod
@@ -104,6 +106,8 @@ class ModelConfig(ParameterCounts):
             fields = sized_only_fields(hf, family, name)
             if family in LATENT_FAMILIES:
                 fields.update(deepseek_fields(hf, name))
+            elif family == "qwen3_next":
+                fields.update(qwen3_next_fields(hf, name))
             elif family in MAMBA2_FAMILIES:
                 fields.update(hybrid_fields(hf, family, name))
             return cls(name=name, family=family, checkpoint=checkpoint, **fields)

@@ -14,6 +14,7 @@ from dataclasses import InitVar, asdict, dataclass, fields
 from kit.config.data import DEFAULT_PRESET, read_preset
 from kit.config.deepseek import check_latent_run
 from kit.config.hybrid import check_hybrid_run
+from kit.config.qwen3_next import check_gated_delta_run
 from kit.config.families import runnable_families
 from kit.config.model_config import ModelConfig
 from kit.errors import ConfigError, brief_in_notebooks
@@ -43,6 +44,8 @@ def check_runnable(arch) -> None:
         check_latent_run(arch)
     if arch.hybrid is not None and arch.parts.runs:
         check_hybrid_run(arch)
+    if arch.family == "qwen3_next" and arch.parts.runs:
+        check_gated_delta_run(arch)
     if not arch.parts.runs:
         raise ConfigError(
             f"model {arch.name!r}: model_type {arch.family!r} keeps a cache that is not K and "

@@ -109,10 +109,14 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
             parts.update(granite_layer_tensors(arch, kit, hf, i))
             continue
         attention = latent_attention_tensors if arch.latent_size else attention_tensors
-        parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
+        if arch.is_recurrent(i) and arch.recurrent.kind == "gated_delta_net":
+            parts.update(gated_delta_tensors(arch, kit + "self_attn.", hf + "linear_attn."))
+        else:
+            parts.update(attention(arch, kit + "self_attn.", hf + "self_attn.", i))
         mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
             deepseek_experts_tensors if arch.latent_size else stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
-            llama4_experts_tensors if arch.parts.expert_names == "llama4" else experts_tensors
+            llama4_experts_tensors if arch.parts.expert_names == "llama4" else \
+            gated_shared_experts_tensors if arch.family == "qwen3_next" else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]
@@ -236,7 +240,7 @@ def attention_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> d
     no V) in the fused matrix, O, biases, sinks and the per-head norms."""
     h, d = arch.hidden_size, arch.layer_head_dim(layer)
     q, kv = arch.num_attention_heads * d, arch.layer_kv_heads(layer) * d
-    rows = {"q": q, "k": kv, "v": kv}
+    rows = {"q": q * (2 if arch.attn_output_gate else 1), "k": kv, "v": kv}  # Qwen3-Next's gate
     which = "qkv"[:1 + arch.has_kv_cache(layer) + arch.has_v_proj(layer)]
     parts = {f"{kit}qkv_proj.weight": [(f"{hf}{p}_proj.weight", (rows[p], h)) for p in which],
              f"{kit}o_proj.weight": [(f"{hf}o_proj.weight", (h, q))]}
@@ -277,6 +281,32 @@ def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 
     if arch.shared_expert_intermediate_size:
         parts.update(gated_mlp_tensors(arch, kit + "shared_experts.", f"{hf}mlp.shared_experts.",
                                        arch.shared_expert_intermediate_size))
+    return parts
+
+
+def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
+    """A gated delta-net (`kit.engine.layers.gated_delta`) under transformers' and vLLM's
+    names; the kit's `conv1d` is the stored convolution's weight."""
+    rec, h = arch.recurrent, arch.hidden_size
+    keys, values = rec.groups * rec.state_dim, rec.inner
+    shapes = {"in_proj_qkvz.weight": (2 * keys + 2 * values, h),
+              "in_proj_ba.weight": (2 * rec.heads, h), "dt_bias": (rec.heads,),
+              "A_log": (rec.heads,), "norm.weight": (rec.head_dim,),
+              "out_proj.weight": (h, values)}
+    parts = {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
+    parts[f"{kit}conv1d"] = [(f"{hf}conv1d.weight", (2 * keys + values, 1, rec.conv_kernel))]
+    return parts
+
+
+def gated_shared_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 0) -> dict:
+    """Qwen3-Next's router and experts (Qwen's names), its shared expert and that expert's
+    gate (`shared_expert_gate` [1, H])."""
+    parts = experts_tensors(arch, kit, hf, layer)
+    if arch.shared_expert_intermediate_size:
+        parts.update(gated_mlp_tensors(arch, kit + "shared_expert.", f"{hf}mlp.shared_expert.",
+                                       arch.shared_expert_intermediate_size))
+        parts[f"{kit}shared_expert_gate.weight"] = [(f"{hf}mlp.shared_expert_gate.weight",
+                                                     (1, arch.hidden_size))]
     return parts
 
 

@@ -21,6 +21,7 @@ from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.mamba2 import Mamba2Mixer
 from kit.engine.layers.experts import SparseMoE
+from kit.engine.layers.gated_delta import GatedDeltaNet, HeadGatedNorm
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
 from kit.engine.layers.mla_moe import DeepSeekMoE
@@ -29,6 +30,8 @@ from kit.engine.layers.norm import NORMS, RMSNorm
 from kit.engine.layers.per_layer_inputs import PerLayerGate, PerLayerInputs
 from kit.engine.layers.rotary import rope_cos_sin
 from kit.engine.layers.prefill_attention import soft_cap
+from kit.engine.layers.gated_attention import GatedAttention
+from kit.engine.layers.shared_gate_moe import SharedGateMoE
 from kit.measure.device import torch_dtype
 
 
@@ -45,17 +48,22 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = make_norm(arch)
         # DeepSeek's latent attention and its experts with shared ones (kit.engine.layers.mla);
-        # a hybrid's recurrent layers mix tokens with Mamba-2 in attention's place
+        # a hybrid's recurrent layers mix tokens with Mamba-2 or a gated delta-net in
+        # attention's place; Qwen3-Next's attention and shared expert are gated
+        # (kit.engine.layers.gated_delta, gated_attention, shared_gate_moe)
         latent = bool(arch.latent_size)
-        mixer = Mamba2Mixer if arch.is_recurrent(layer_idx) else \
-            LatentAttention if latent else Attention
+        recurrent = GatedDeltaNet if arch.recurrent and arch.recurrent.kind == "gated_delta_net" \
+            else Mamba2Mixer
+        mixer = recurrent if arch.is_recurrent(layer_idx) else LatentAttention if latent \
+            else GatedAttention if arch.attn_output_gate else Attention
         self.self_attn = mixer(arch, layer_idx)
         # Granite: each sub-layer's output scaled before it joins the residual stream
         self.residual_multiplier = arch.hybrid.residual_multiplier if arch.hybrid else 1.0
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
-        self.mlp = (DeepSeekMoE if latent else SparseMoE)(arch, layer_idx) if moe \
-            else MLP(arch, layer_idx)
+        experts = DeepSeekMoE if latent else \
+            SharedGateMoE if arch.family == "qwen3_next" else SparseMoE
+        self.mlp = experts(arch, layer_idx) if moe else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
                 extra=None):
@@ -200,11 +208,13 @@ class Decoder(nn.Module):
         """Layer `layer`'s RoPE: its head size, base and scaling (Llama 3's, YaRN's, Gemma 4's
         proportional; on full layers only when the sliding ones have their own base, as Gemma
         3's and 4's local RoPE is unscaled); () for a layer without RoPE (Llama 4's NoPE
-        layers). Latent attention turns only its qk_rope_head_dim rotary elements."""
+        layers). Latent attention turns only its qk_rope_head_dim rotary elements, Qwen3-Next
+        the first partial_rotary_factor of each head."""
         if not self.arch.uses_rope(layer):
             return ()
         own_base = self.arch.rope_local_base_freq and self.arch.window(layer)
-        dim = self.arch.qk_rope_head_dim or self.arch.layer_head_dim(layer)
+        dim = self.arch.qk_rope_head_dim or \
+            int(self.arch.layer_head_dim(layer) * self.arch.partial_rotary_factor)
         return (dim, self.arch.layer_rope_theta(layer),
                 () if own_base else self.arch.rope_scaling)
 
@@ -270,7 +280,12 @@ def init_weights(model: nn.Module, seed: int) -> None:
             b.fill_(1.0)
     for name, p in sorted(model.named_parameters()):
         owner = model.get_submodule(name.rpartition(".")[0])
-        if isinstance(owner, RMSNorm):
+        delta_net = isinstance(owner, GatedDeltaNet)
+        if delta_net and name.endswith(("A_log", "dt_bias")):  # its decay: A = 1, dt_bias = 1
+            p.fill_(1.0 if name.endswith("dt_bias") else 0.0)
+        elif delta_net and name.endswith("conv1d"):  # taps at a scale that passes x on
+            p.normal_(0.0, 0.5, generator=gen)
+        elif isinstance(owner, (RMSNorm, HeadGatedNorm)):
             owner.reset_parameters()
             if name.endswith("q_norm.weight") and model.arch.parts.unscaled_scores:
                 p.mul_(p.shape[0] ** -0.5)  # Gemma 4's scores are unscaled: its q_norm scales

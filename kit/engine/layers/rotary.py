@@ -66,7 +66,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim], rotating the two halves (the NeoX layout Llama uses)."""
+    """x: [tokens, heads, head_dim], rotating the two halves (the NeoX layout Llama uses) of
+    its first 2 × cos.shape[-1] elements; the rest, where there are more (Qwen3-Next's
+    partial_rotary_factor), pass unturned."""
+    turned = 2 * cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :turned], cos, sin), x[..., turned:]], dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,68 @@
+"""What Qwen3-Next's decoder reads beyond its sizes (`kit.config.cache_kinds`): RoPE's base,
+scaling and the fraction of each head it turns, and, before a run, every key of its
+config.json honoured or refused by name (`check_gated_delta_run`). Plain data: no torch.
+
+As transformers' `Qwen3NextConfig` and vLLM's `Qwen3NextForCausalLM` read them: layers
+`layer_types` or every `full_attention_interval`-th full attention, the rest gated delta-nets
+(`linear_*` sizes); experts on every `decoder_sparse_step`-th layer but `mlp_only_layers`,
+renormalised where `norm_topk_prob`, beside a shared expert; RoPE on the first
+`partial_rotary_factor` of each head (top level, or in `rope_parameters`).
+"""
+from __future__ import annotations
+
+import json
+
+from kit.config.families import INERT_KEYS, rope
+from kit.errors import ConfigError
+
+# The keys the kit's Qwen3-Next decoder reads (`sized_only_fields`, `qwen3_next_fields`).
+READ = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+        "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor",
+        "hidden_act", "layer_types", "full_attention_interval", "linear_conv_kernel_dim",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+        "norm_topk_prob"}
+# Keys read only at one setting (what transformers and vLLM both build): no biases (vLLM's
+# `qkv_bias`, transformers' `attention_bias`), a separate LM head (vLLM's Qwen3-Next never
+# ties it), the output gate (transformers always gates), no sliding window.
+FIXED = {"attention_bias": (False, None), "qkv_bias": (False, None),
+         "tie_word_embeddings": (False, None), "attn_output_gate": (True, None),
+         "use_sliding_window": (False, None), "sliding_window": (None,), "mlp_bias": (False,)}
+# The multi-token prediction head's keys: speculative decoding's extra layer, which neither
+# transformers' Qwen3NextForCausalLM nor a plain vLLM run builds.
+MTP_KEYS = {"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "num_nextn_predict_layers"}
+
+
+def rotary_fraction(hf: dict) -> float:
+    """partial_rotary_factor, top level or in rope_parameters (transformers 5 moves it there;
+    its default 0.25, `Qwen3NextConfig.__post_init__`)."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25)
+
+
+def qwen3_next_fields(hf: dict, name: str) -> dict:
+    """RoPE's base, scaling and turned fraction from config.json (read, not checked: sizing
+    takes any Qwen3-Next config; a run checks it first, `check_gated_delta_run`)."""
+    theta, _, scaling = rope(hf, name)
+    return {"rope_theta": theta, "rope_scaling": scaling,
+            "partial_rotary_factor": rotary_fraction(hf)}
+
+
+def check_gated_delta_run(arch) -> None:
+    """Refuse by name, before any work, each key of a Qwen3-Next config.json the kit's decoder
+    neither reads nor holds inert, or holds at a setting it does not build."""
+    hf, name = json.loads(arch.source_config or "{}"), arch.name
+    unknown = sorted(set(hf) - READ - INERT_KEYS - set(FIXED) - MTP_KEYS)
+    problems = [f"keys the kit's decoder does not build: {unknown}"] if unknown else []
+    problems += [f"{key}={hf[key]!r} (the kit builds {allowed[0]!r})"
+                 for key, allowed in FIXED.items() if key in hf and hf[key] not in allowed]
+    if arch.hidden_act != "silu":
+        problems.append(f"hidden_act {arch.hidden_act!r} (Qwen3-Next's MLPs are SiLU-gated)")
+    if arch.recurrent.heads % arch.recurrent.groups:
+        problems.append(f"linear_num_value_heads {arch.recurrent.heads} is not a multiple of "
+                        f"linear_num_key_heads {arch.recurrent.groups}")
+    if problems:
+        raise ConfigError(f"model {name!r}: the kit's Qwen3-Next decoder does not build "
+                          + "; ".join(problems))

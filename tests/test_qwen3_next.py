@@ -1,0 +1,133 @@
+"""Qwen3-Next run by the kit's decoder (issue 35): on checkpoints transformers wrote
+(`Qwen3NextConfig`, tiny shapes, float32), the prefill and every paged decode step (the
+gated delta-nets' states in their slots, the attention's keys and values paged) against
+transformers' forward and the kit's own no-cache reference; what the decoder does not build
+refused by name."""
+import pytest
+import torch
+
+import kit
+from kit.config import ModelConfig
+from kit.config.settings import check_runnable
+from kit.engine.decode import check_against_no_cache
+from kit.errors import ConfigError
+from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
+                                   kit_paged_decode, reference_model, relative_error)
+
+# 3 gated delta-nets and 1 attention layer; 2 key heads serving 4 value heads; experts on 3
+# layers (layer 1 dense: mlp_only_layers), a quarter of each attention head turned by RoPE
+TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 12, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [1], "max_position_embeddings": 256}
+
+
+def spread_qwen3_next(folder, seed=0):
+    """Weights far from the writer's defaults, so that every tensor moves the logits: the
+    zero-centred norms away from 0, the delta-net's gated norm away from 1, decays and
+    convolution taps of order one, attention scores well above 1."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def change(tensors):
+        for name, t in tensors.items():
+            noise = torch.randn(t.shape, generator=gen)
+            if name.endswith("linear_attn.norm.weight"):
+                tensors[name] = 1.0 + 0.3 * noise
+            elif name.endswith("norm.weight"):
+                tensors[name] = 0.3 * noise
+            elif name.endswith(("A_log", "dt_bias")) or "embed" in name:
+                tensors[name] = noise
+            else:
+                gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+                tensors[name] = gain * noise / t.shape[-1] ** 0.5
+    edit_tensors(folder, change)
+
+
+def transformers_checkpoint(tmp_path, spread_weights: bool = True, **changes):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3NextConfig(**{**TINY, **changes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder = tmp_path / "qwen3-next"
+    model.save_pretrained(folder)
+    if spread_weights:
+        spread_qwen3_next(folder)
+    return folder
+
+
+def test_prefill_logits_match_transformers(tmp_path):
+    """3 prompts of 70 tokens (a chunk of 64 and a padded one)."""
+    folder = transformers_checkpoint(tmp_path)
+    ids = torch.randint(0, 512, (3, 70), generator=torch.Generator().manual_seed(1))
+    got, expected = kit_and_reference_logits(folder, ids)
+    error = relative_error(got, expected)
+    print(f"qwen3_next: prefill max |kit - transformers| / max |logit| = {error:.2e}")
+    assert error <= kit.config.TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("strategy", [
+    "eager", pytest.param("guard_free", marks=pytest.mark.slow)])  # (compiles)
+def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(tmp_path,
+                                                                                 strategy):
+    """Prompts of 5, 8 and 11 tokens, 6 greedy steps (the attention's blocks raised to 32 by
+    the hybrid's page rule): every step's logits (the prefill's included) within float32's
+    1e-4 of transformers' forward over the prompt and the tokens fed back, and of the kit's
+    own `no_cache_logits` (each delta-net's states from the slot its group's block holds)."""
+    folder = transformers_checkpoint(tmp_path)
+    reference = reference_model(folder, torch.float32)
+    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
+        worst = max(worst, *(relative_error(run.logits[t, i], expected[t]) for t in range(7)))
+    print(f"qwen3_next {strategy}: paged decode, 6 steps, max |kit - transformers| / "
+          f"max |logit| = {worst:.2e}")
+    assert worst <= kit.config.TOLERANCE["float32"]
+    own = check_against_no_cache(kit_model(folder), prompts, run, "float32")
+    print(f"qwen3_next {strategy}: against no_cache_logits {own.max_error:.2e}")
+    assert own.ok and own.token_agreement == 1.0
+
+
+def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path):
+    """In bfloat16 (vLLM's CPU engine runs a gated delta-net in bf16 only), on the weights as
+    written: every step within the kit's bf16 tolerance of transformers in bf16 and of the
+    kit's no-cache reference, every greedy token the reference's."""
+    folder = transformers_checkpoint(tmp_path, spread_weights=False)
+    prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager", "bfloat16")
+    reference = reference_model(folder, torch.bfloat16)
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    own = check_against_no_cache(kit_model(folder, "bfloat16"), prompts, run, "bfloat16")
+    print(f"qwen3_next bf16: against transformers {worst:.2e}, no_cache_logits "
+          f"{own.max_error:.2e}")
+    assert worst <= kit.config.TOLERANCE["bfloat16"]
+    assert own.ok and own.token_agreement == 1.0
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
+    ({"attn_output_gate": False}, "attn_output_gate=False"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"mamba_ssm_dtype": "float32"}, r"does not build: \['mamba_ssm_dtype'\]"),
+    ({"linear_num_value_heads": 3}, "not a multiple of linear_num_key_heads 2"),
+])
+def test_what_the_decoder_does_not_build_is_refused_by_name(changes, message):
+    arch = ModelConfig.from_dict({"model_type": "qwen3_next", **TINY, **changes}, "tiny")
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(arch)
+
+
+def test_the_published_shape_is_accepted_and_reads_its_rope():
+    arch = ModelConfig.load("qwen3-next-80b-a3b")
+    check_runnable(arch)
+    assert (arch.rope_theta, arch.partial_rotary_factor) == (10_000_000, 0.25)
+    assert arch.layer_types.count("full_attention") == 12
