@@ -153,8 +153,10 @@ def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], st
     arch = replace(settings.arch, checkpoint=str(folder))
     model = build_model(arch, settings.dtype, "cpu", settings.seed)
     lengths = [len(p) for p in prompts]
-    batch = batch_for_run(KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype), lengths,
-                          steps, "cpu")
+    # the CPU's layout: a recurrent state in the dtype vLLM's CPU engine keeps it (float32 on
+    # a CPU with AVX-512 BF16, `kit.engine.hybrid_cache.state_dtypes`)
+    layout = KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype, device="cpu")
+    batch = batch_for_run(layout, lengths, steps, "cpu")
     return generate(model, batch, prompts, steps), model, batch
 
 
