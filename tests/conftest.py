@@ -7,16 +7,11 @@ import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on a 2-core machine: OpenMP threads that wait for work sleep instead of
-    # spinning, so one worker's idle threads do not take the cores from the other's, and each
-    # worker runs as many threads as it has cores to itself (the kernels and engines the tests
-    # start inherit both). Two workers of two threads each on two cores made a vLLM token test
-    # 10-60% slower (mixtral 7.3 s against 6.5, under a second worker's load). Results are the
-    # same; tests time nothing.
+    # spinning, so one worker's idle threads do not take the cores from the other's (the
+    # kernels and engines the tests start inherit it). Results are the same; tests time nothing.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
-from kit.execute.notebooks import run  # noqa: E402 (after the threads are set)
+from kit.execute.notebooks import run  # noqa: E402 (after the wait policy is set)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Screenshots of the browser tests: a folder out of git (runs/ is ignored), named at the end.
@@ -31,6 +26,25 @@ _SESSION_STARTED = pytest.StashKey[float]()
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
                 "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
                 "engines": "vllm_engines", "profiles": "memory_profiles"}
+
+
+@pytest.fixture(autouse=True)
+def _engine_threads(request):
+    """A test that starts vLLM's CPU engine (in this process) runs it on as many threads as
+    the worker has cores to itself: two workers of two threads each on two cores made a token
+    test 15-25% slower (qwen3 25.5 s against 20.4, under a second process's load). The chapters'
+    runs keep every core: near the end of the suite theirs is the one worker still busy."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers == 1 or request.node.get_closest_marker("vllm") is None:
+        yield
+        return
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
