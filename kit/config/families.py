@@ -108,7 +108,7 @@ FAMILIES = {
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: its MoE refused)
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
                         qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
-    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, norm="gemma_rms", qk_norm=True),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where

@@ -286,7 +286,8 @@ def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 
 
 def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
     """A gated delta-net (`kit.engine.layers.gated_delta`) under transformers' and vLLM's
-    names; the kit's `conv1d` is the stored convolution's weight."""
+    names (Qwen3.5's four projections stacked into Qwen3-Next's two); the kit's `conv1d` is
+    the stored convolution's weight."""
     rec, h = arch.recurrent, arch.hidden_size
     keys, values = rec.groups * rec.state_dim, rec.inner
     shapes = {"in_proj_qkvz.weight": (2 * keys + 2 * values, h),
@@ -294,6 +295,11 @@ def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
               "A_log": (rec.heads,), "norm.weight": (rec.head_dim,),
               "out_proj.weight": (h, values)}
     parts = {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
+    if arch.family == "qwen3_5_text":  # stored apart, stacked as vLLM's Qwen3_5Model loads them
+        apart = {"qkvz": {"qkv": 2 * keys + values, "z": values},
+                 "ba": {"b": rec.heads, "a": rec.heads}}
+        parts.update({f"{kit}in_proj_{fused}.weight": [(f"{hf}in_proj_{n}.weight", (rows, h))
+                      for n, rows in each.items()] for fused, each in apart.items()})
     parts[f"{kit}conv1d"] = [(f"{hf}conv1d.weight", (2 * keys + values, 1, rec.conv_kernel))]
     return parts
 
