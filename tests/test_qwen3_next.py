@@ -3,6 +3,8 @@ wrote (`Qwen3NextConfig`, `Qwen3_5TextConfig`, tiny shapes, float32), the prefil
 paged decode step (the gated delta-nets' states in their slots, the attention's keys and values
 paged) against transformers' forward and the kit's own no-cache reference; what the decoder
 does not build refused by name. (vLLM's Qwen3.5 module needs torchvision: no vLLM test.)"""
+import json
+
 import pytest
 import torch
 
@@ -138,6 +140,31 @@ def test_what_the_decoder_does_not_build_is_refused_by_name(changes, message):
     arch = ModelConfig.from_dict({"model_type": "qwen3_next", **TINY, **changes}, "tiny")
     with pytest.raises(ConfigError, match=message):
         check_runnable(arch)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"num_experts": 8}, r"does not build: \['num_experts'\]"),
+    ({"layer_scale": True}, "layer_scale=True"),
+    ({"output_gate_type": "sigmoid"}, "output_gate_type='sigmoid'"),
+    ({"mamba_ssm_dtype": "float8"}, "mamba_ssm_dtype='float8'"),
+    ({"attn_output_gate": False}, "Qwen3.5 decoder does not build attn_output_gate=False"),
+])
+def test_what_the_qwen3_5_decoder_does_not_build_is_refused_by_name(changes, message):
+    arch = ModelConfig.from_dict({"model_type": "qwen3_5_text", **TINY_3_5, **changes}, "tiny")
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(arch)
+
+
+def test_qwen3_5_27b_is_accepted_with_its_state_dtype_and_rope():
+    """Its tied-or-not head, mamba_ssm_dtype and multimodal RoPE's split all read."""
+    arch = ModelConfig.load("qwen3.5-27b")
+    check_runnable(arch)
+    assert (arch.rope_theta, arch.partial_rotary_factor) == (10_000_000, 0.25)
+    assert arch.recurrent.ssm_dtype == "float32" and arch.num_experts in (0, None)
+    tied = ModelConfig.from_dict({**json.loads(arch.source_config), "tie_word_embeddings": True},
+                                 "tied")
+    check_runnable(tied)
+    assert tied.tie_word_embeddings
 
 
 def test_the_published_shape_is_accepted_and_reads_its_rope():
