@@ -1,8 +1,10 @@
-"""Qwen3-Next run by the kit's decoder (issue 35): on checkpoints transformers wrote
-(`Qwen3NextConfig`, tiny shapes, float32), the prefill and every paged decode step (the
-gated delta-nets' states in their slots, the attention's keys and values paged) against
-transformers' forward and the kit's own no-cache reference; what the decoder does not build
-refused by name."""
+"""Qwen3-Next and Qwen3.5 run by the kit's decoder (issue 35): on checkpoints transformers
+wrote (`Qwen3NextConfig`, `Qwen3_5TextConfig`, tiny shapes, float32), the prefill and every
+paged decode step (the gated delta-nets' states in their slots, the attention's keys and values
+paged) against transformers' forward and the kit's own no-cache reference; what the decoder
+does not build refused by name. (vLLM's Qwen3.5 module needs torchvision: no vLLM test.)"""
+import json
+
 import pytest
 import torch
 
@@ -14,6 +16,9 @@ from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
                                    kit_paged_decode, reference_model, relative_error)
 
+FAMILIES = ("qwen3_next", "qwen3_5_text")
+QWEN3_NEXT_EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "shared_expert_intermediate_size", "mlp_only_layers")
 # 3 gated delta-nets and 1 attention layer; 2 key heads serving 4 value heads; experts on 3
 # layers (layer 1 dense: mlp_only_layers), a quarter of each attention head turned by RoPE
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
@@ -22,6 +27,13 @@ TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidd
         "linear_value_head_dim": 12, "num_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
         "mlp_only_layers": [1], "max_position_embeddings": 256}
+# Qwen3.5's text model: the same layers, dense MLPs, the delta-net's projections stored apart,
+# a float32 state, and multimodal RoPE's split over half of each head (plain RoPE on text)
+TINY_3_5 = {**{k: v for k, v in TINY.items() if k not in QWEN3_NEXT_EXPERTS},
+            "mamba_ssm_dtype": "float32",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                "mrope_interleaved": True}}
 
 
 def spread_qwen3_next(folder, seed=0):
@@ -45,37 +57,41 @@ def spread_qwen3_next(folder, seed=0):
     edit_tensors(folder, change)
 
 
-def transformers_checkpoint(tmp_path, spread_weights: bool = True, **changes):
+def transformers_checkpoint(tmp_path, spread_weights: bool = True, family: str = "qwen3_next",
+                            **changes):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3NextConfig(**{**TINY, **changes})
+    config = transformers.Qwen3NextConfig(**{**TINY, **changes}) if family == "qwen3_next" \
+        else transformers.Qwen3_5TextConfig(**{**TINY_3_5, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    folder = tmp_path / "qwen3-next"
+    folder = tmp_path / family
     model.save_pretrained(folder)
     if spread_weights:
         spread_qwen3_next(folder)
     return folder
 
 
-def test_prefill_logits_match_transformers(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(tmp_path, family):
     """3 prompts of 70 tokens (a chunk of 64 and a padded one)."""
-    folder = transformers_checkpoint(tmp_path)
+    folder = transformers_checkpoint(tmp_path, family=family)
     ids = torch.randint(0, 512, (3, 70), generator=torch.Generator().manual_seed(1))
     got, expected = kit_and_reference_logits(folder, ids)
     error = relative_error(got, expected)
-    print(f"qwen3_next: prefill max |kit - transformers| / max |logit| = {error:.2e}")
+    print(f"{family}: prefill max |kit - transformers| / max |logit| = {error:.2e}")
     assert error <= kit.config.TOLERANCE["float32"]
 
 
-@pytest.mark.parametrize("strategy", [
-    "eager", pytest.param("guard_free", marks=pytest.mark.slow)])  # (compiles)
-def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(tmp_path,
-                                                                                 strategy):
+@pytest.mark.parametrize("family,strategy", [
+    ("qwen3_next", "eager"), ("qwen3_5_text", "eager"),
+    pytest.param("qwen3_next", "guard_free", marks=pytest.mark.slow)])  # (compiles)
+def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(
+        tmp_path, family, strategy):
     """Prompts of 5, 8 and 11 tokens, 6 greedy steps (the attention's blocks raised to 32 by
     the hybrid's page rule): every step's logits (the prefill's included) within float32's
     1e-4 of transformers' forward over the prompt and the tokens fed back, and of the kit's
     own `no_cache_logits` (each delta-net's states from the slot its group's block holds)."""
-    folder = transformers_checkpoint(tmp_path)
+    folder = transformers_checkpoint(tmp_path, family=family)
     reference = reference_model(folder, torch.float32)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
     worst = 0.0
@@ -84,11 +100,11 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
         with torch.no_grad():
             expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
         worst = max(worst, *(relative_error(run.logits[t, i], expected[t]) for t in range(7)))
-    print(f"qwen3_next {strategy}: paged decode, 6 steps, max |kit - transformers| / "
+    print(f"{family} {strategy}: paged decode, 6 steps, max |kit - transformers| / "
           f"max |logit| = {worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]
     own = check_against_no_cache(kit_model(folder), prompts, run, "float32")
-    print(f"qwen3_next {strategy}: against no_cache_logits {own.max_error:.2e}")
+    print(f"{family} {strategy}: against no_cache_logits {own.max_error:.2e}")
     assert own.ok and own.token_agreement == 1.0
 
 
@@ -124,6 +140,31 @@ def test_what_the_decoder_does_not_build_is_refused_by_name(changes, message):
     arch = ModelConfig.from_dict({"model_type": "qwen3_next", **TINY, **changes}, "tiny")
     with pytest.raises(ConfigError, match=message):
         check_runnable(arch)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"num_experts": 8}, r"does not build: \['num_experts'\]"),
+    ({"layer_scale": True}, "layer_scale=True"),
+    ({"output_gate_type": "sigmoid"}, "output_gate_type='sigmoid'"),
+    ({"mamba_ssm_dtype": "float8"}, "mamba_ssm_dtype='float8'"),
+    ({"attn_output_gate": False}, "Qwen3.5 decoder does not build attn_output_gate=False"),
+])
+def test_what_the_qwen3_5_decoder_does_not_build_is_refused_by_name(changes, message):
+    arch = ModelConfig.from_dict({"model_type": "qwen3_5_text", **TINY_3_5, **changes}, "tiny")
+    with pytest.raises(ConfigError, match=message):
+        check_runnable(arch)
+
+
+def test_qwen3_5_27b_is_accepted_with_its_state_dtype_and_rope():
+    """Its tied-or-not head, mamba_ssm_dtype and multimodal RoPE's split all read."""
+    arch = ModelConfig.load("qwen3.5-27b")
+    check_runnable(arch)
+    assert (arch.rope_theta, arch.partial_rotary_factor) == (10_000_000, 0.25)
+    assert arch.recurrent.ssm_dtype == "float32" and arch.num_experts in (0, None)
+    tied = ModelConfig.from_dict({**json.loads(arch.source_config), "tie_word_embeddings": True},
+                                 "tied")
+    check_runnable(tied)
+    assert tied.tie_word_embeddings
 
 
 def test_the_published_shape_is_accepted_and_reads_its_rope():

@@ -108,7 +108,7 @@ FAMILIES = {
     "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: its MoE refused)
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
                         qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
-    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, runs=False),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, norm="gemma_rms", qk_norm=True),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -272,8 +272,8 @@ def check_family(family, name: str) -> None:
         f"decoder covers {runnable_families()}: RMSNorm, RoPE, a gated MLP or experts routed "
         "by a softmax's top k (or a top k's softmax), grouped-query attention over full or "
         "sliding windows, with or without sinks, Llama 4's chunked local and NoPE layers, "
-        "DeepSeek's latent attention, Mamba-2 (Granite, Nemotron-H) or Qwen3-Next's delta-nets; "
-        f"it sizes (not yet runs) {runnable_families(sized_only=True)}.")
+        "DeepSeek's latent attention, Mamba-2 (Granite, Nemotron-H) or Qwen3-Next's and "
+        f"Qwen3.5's delta-nets; it sizes only {runnable_families(sized_only=True) or 'none'}.")
 
 
 def runnable_families(sized_only: bool = False) -> list[str]:

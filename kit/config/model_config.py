@@ -106,7 +106,7 @@ class ModelConfig(ParameterCounts):
             fields = sized_only_fields(hf, family, name)
             if family in LATENT_FAMILIES:
                 fields.update(deepseek_fields(hf, name))
-            elif family == "qwen3_next":
+            elif family in ("qwen3_next", "qwen3_5_text"):
                 fields.update(qwen3_next_fields(hf, name))
             elif family in MAMBA2_FAMILIES:
                 fields.update(hybrid_fields(hf, family, name))

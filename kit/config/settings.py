@@ -44,7 +44,7 @@ def check_runnable(arch) -> None:
         check_latent_run(arch)
     if arch.hybrid is not None and arch.parts.runs:
         check_hybrid_run(arch)
-    if arch.family == "qwen3_next" and arch.parts.runs:
+    if arch.family in ("qwen3_next", "qwen3_5_text") and arch.parts.runs:
         check_gated_delta_run(arch)
     if not arch.parts.runs:
         raise ConfigError(

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from kit.config import ModelConfig, checkpoint_files
 from kit.config.families import EXPERT_NAMES
+from kit.engine.recurrent_tensors import gated_delta_tensors, mamba2_tensors
 from kit.errors import ConfigError
 
 # safetensors dtypes a float model can be cast from
@@ -174,22 +175,6 @@ def nemotron_tensors(arch: ModelConfig) -> dict:
     return parts
 
 
-def mamba2_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
-    """A Mamba-2 mixer (`kit.engine.layers.mamba2`), under transformers' and vLLM's names."""
-    rec, h = arch.recurrent, arch.hidden_size
-    conv_dim = rec.inner + 2 * rec.groups * rec.state_dim
-    shapes = {"in_proj.weight": (rec.inner + conv_dim + rec.heads, h),
-              "conv1d.weight": (conv_dim, 1, rec.conv_kernel), "dt_bias": (rec.heads,),
-              "A_log": (rec.heads,), "D": (rec.heads,), "norm.weight": (rec.inner,),
-              "out_proj.weight": (h, rec.inner)}
-    if rec.conv_bias:
-        shapes["conv1d.bias"] = (conv_dim,)
-    if rec.proj_bias:
-        shapes.update({"in_proj.bias": (rec.inner + conv_dim + rec.heads,),
-                       "out_proj.bias": (h,)})
-    return {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
-
-
 def gemma4_layer_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
     """A Gemma 4 layer's stored scalar (a buffer) and per-layer input gate and projection."""
     h, p = arch.hidden_size, arch.hidden_size_per_layer_input
@@ -281,20 +266,6 @@ def deepseek_experts_tensors(arch: ModelConfig, kit: str, hf: str, layer: int = 
     if arch.shared_expert_intermediate_size:
         parts.update(gated_mlp_tensors(arch, kit + "shared_experts.", f"{hf}mlp.shared_experts.",
                                        arch.shared_expert_intermediate_size))
-    return parts
-
-
-def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
-    """A gated delta-net (`kit.engine.layers.gated_delta`) under transformers' and vLLM's
-    names; the kit's `conv1d` is the stored convolution's weight."""
-    rec, h = arch.recurrent, arch.hidden_size
-    keys, values = rec.groups * rec.state_dim, rec.inner
-    shapes = {"in_proj_qkvz.weight": (2 * keys + 2 * values, h),
-              "in_proj_ba.weight": (2 * rec.heads, h), "dt_bias": (rec.heads,),
-              "A_log": (rec.heads,), "norm.weight": (rec.head_dim,),
-              "out_proj.weight": (h, values)}
-    parts = {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
-    parts[f"{kit}conv1d"] = [(f"{hf}conv1d.weight", (2 * keys + values, 1, rec.conv_kernel))]
     return parts
 
 

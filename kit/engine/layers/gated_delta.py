@@ -3,10 +3,13 @@ request, a convolution state and a state matrix per value head in place of keys 
 per token (vLLM's `MambaSpec`, `kit.config.cache_kinds.Recurrent`).
 
     project   in_proj_qkvz(x) -> q, k (key heads × key dim), v, z (value heads × value dim);
-              in_proj_ba(x) -> b, a (one per value head). Both are stored grouped per key
-              head: each key head's q, k, then its value heads' v and z (and b, a), as
+              in_proj_ba(x) -> b, a (one per value head). Qwen3-Next stores both grouped per
+              key head: each key head's q, k, then its value heads' v and z (and b, a), as
               transformers' `fix_query_key_value_ordering` and vLLM's
-              `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering` regroup them
+              `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering` regroup them; Qwen3.5
+              stores them apart (in_proj_qkv: all q, k, v; in_proj_z; in_proj_b; in_proj_a),
+              which the kit stacks as vLLM does (`Qwen3_5Model`'s loader, vLLM's
+              `gqa_interleaved_layout=False`): [q, k, v, z] and [b, a], no regrouping
     convolve  [q, k, v] through a causal depthwise convolution of conv_kernel taps, then SiLU;
               its state: each request's last conv_kernel - 1 inputs
     gates     beta = sigmoid(b); g = -exp(A_log) · softplus(a + dt_bias) (float32)
@@ -148,6 +151,7 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.key_dim = r.groups, r.state_dim
         self.value_heads, self.value_dim = r.heads, r.head_dim
         self.per_key = r.heads // r.groups
+        self.grouped = arch.family == "qwen3_next"  # (Qwen3.5: [q, k, v, z] and [b, a])
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.conv_dim = 2 * keys + values
         h = arch.hidden_size
@@ -190,8 +194,13 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor):
         """x [tokens, hidden] -> the convolution's input [q, k, v] [tokens, conv_dim], z
         [tokens, value heads, value_dim], b and a [tokens, value heads], regrouped from the
-        projections' per-key-head order."""
+        projections' per-key-head order where `grouped`."""
         tokens = x.shape[0]
+        if not self.grouped:
+            keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+            mixed, z = self.in_proj_qkvz(x).split([2 * keys + values, values], dim=-1)
+            b, a = self.in_proj_ba(x).chunk(2, dim=-1)
+            return mixed, z.view(tokens, self.value_heads, self.value_dim), b, a
         per_group = self.in_proj_qkvz(x).view(tokens, self.key_heads, -1)
         q, k, v, z = per_group.split([self.key_dim, self.key_dim, self.per_key * self.value_dim,
                                       self.per_key * self.value_dim], dim=-1)
