@@ -120,11 +120,11 @@ class KVCacheLayout:
                    block_size, cache_dtype, kv_cache_dtype, shared, notes)
 
     @classmethod
-    def for_settings(cls, settings) -> "KVCacheLayout":
-        """The run's layout: its model, block size, cache dtype, TP and device."""
+    def for_settings(cls, settings, prefix_caching: bool = True) -> "KVCacheLayout":
+        """The run's layout: its model, block size, cache dtype, TP and device (`for_model`)."""
         return cls.for_model(settings.arch, settings.block_size, settings.dtype,
                              settings.kv_cache_dtype, settings.tensor_parallel_size,
-                             settings.device)
+                             settings.device, prefix_caching)
 
     @property
     def specs(self) -> tuple[KVCacheSpec, ...]:
