@@ -319,6 +319,19 @@ def kit_paged_decode(folder, lengths, steps, strategy, dtype="float32"):
     return prompts, run
 
 
+def paged_error(reference, prompts, run, steps: int) -> float:
+    """The largest error of a paged run (every step, the prefill's included) against
+    `reference`'s forward (transformers) over each prompt and the tokens the run fed back,
+    relative to the largest logit."""
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        ids = torch.cat([prompt, run.tokens[i, :steps]])[None]
+        with torch.no_grad():
+            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
+        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    return worst
+
+
 def decode_error(folder, case, strategy, dtype="float32") -> float:
     """The largest error of the kit's paged decode (every step, prefill included) against
     transformers' forward over each prompt and the tokens fed back, in `dtype`, relative to
@@ -327,12 +340,7 @@ def decode_error(folder, case, strategy, dtype="float32") -> float:
     reference = reference_model(folder, getattr(torch, dtype))
     lengths, steps = [5, 30, 37] if case in WINDOWED else [5, 8, 11], 6
     prompts, run = kit_paged_decode(folder, lengths, steps, strategy, dtype)
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :steps]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
-        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    worst = paged_error(reference, prompts, run, steps)
     print(f"{case} {strategy} {dtype}: {steps} steps, max |kit - transformers| / max |logit| "
           f"= {worst:.2e}")
     return worst

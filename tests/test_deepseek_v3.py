@@ -15,8 +15,8 @@ from kit.config.settings import check_runnable
 from kit.engine.decode import check_against_no_cache
 from kit.engine.layers.mla_moe import DeepSeekMoE
 from kit.engine.model import build_model
-from tests.test_checkpoint import (edit_tensors, kit_model, kit_paged_decode, reference_model,
-                                   relative_error, spread)
+from tests.test_checkpoint import (edit_tensors, kit_model, kit_paged_decode, paged_error,
+                                   reference_model, relative_error, spread)
 from tests.test_mla import TINY
 
 # noaux_tc as real DeepSeek-V3 configs name it (transformers' class writes both keys when
@@ -91,12 +91,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
     folder = v3_checkpoint(tmp_path, case)
     reference = reference_model(folder, torch.float32)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager")
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
-        worst = max(worst, *(relative_error(run.logits[t, i], expected[t]) for t in range(7)))
+    worst = paged_error(reference, prompts, run, 6)
     print(f"{case}: paged decode, 6 steps, max |kit - transformers| / max |logit| = "
           f"{worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]

@@ -17,7 +17,7 @@ from kit.engine.layers.mamba2 import chunked_scan
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
-                                   kit_paged_decode, reference_model, relative_error)
+                                   kit_paged_decode, paged_error, reference_model, relative_error)
 
 # 3 Mamba-2 layers and 1 attention layer (NoPE), 4 experts (2 per token) beside a shared MLP;
 # Mamba chunks of 8 positions, so prompts of 11 and 13 tokens run two chunks
@@ -139,12 +139,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
     if CASES[case].get("mamba_n_groups", 1) > 1:
         return  # transformers' norm differs (whole width): compared on the prefill above
     reference = reference_model(folder, torch.float32)
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
-        worst = max(worst, relative_error(run.logits[:, i], expected))
+    worst = paged_error(reference, prompts, run, 6)
     print(f"{case} {strategy}: paged decode, 6 steps, max |kit - transformers| / max |logit| "
           f"= {worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]

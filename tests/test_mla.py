@@ -17,7 +17,7 @@ from kit.engine.kv_cache import KVCacheLayout, allocate, layer_views
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from tests.test_checkpoint import (kit_and_reference_logits, kit_model, kit_paged_decode,
-                                   reference_model, relative_error, spread)
+                                   paged_error, reference_model, relative_error, spread)
 
 TINY = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
@@ -75,13 +75,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
     folder = transformers_checkpoint(tmp_path, case)
     reference = reference_model(folder, torch.float32)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
-    errors = []
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
-        errors.append([relative_error(run.logits[t, i], expected[t]) for t in range(7)])
-    worst = max(max(e) for e in errors)
+    worst = paged_error(reference, prompts, run, 6)
     print(f"{case} {strategy}: paged decode, 6 steps, max |kit - transformers| / max |logit| = "
           f"{worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]
@@ -98,12 +92,7 @@ def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path, case):
     folder = transformers_checkpoint(tmp_path, case, spread_weights=False)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager", "bfloat16")
     reference = reference_model(folder, torch.bfloat16)
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
-        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    worst = paged_error(reference, prompts, run, 6)
     own = check_against_no_cache(kit_model(folder, "bfloat16"), prompts, run, "bfloat16")
     print(f"{case} bf16: against transformers {worst:.2e}, no_cache_logits {own.max_error:.2e}")
     assert worst <= kit.config.TOLERANCE["bfloat16"]

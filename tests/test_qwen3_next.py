@@ -14,7 +14,7 @@ from kit.config.settings import check_runnable
 from kit.engine.decode import check_against_no_cache
 from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
-                                   kit_paged_decode, reference_model, relative_error)
+                                   kit_paged_decode, paged_error, reference_model, relative_error)
 
 FAMILIES = ("qwen3_next", "qwen3_5_text")
 QWEN3_NEXT_EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -94,12 +94,7 @@ def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference
     folder = transformers_checkpoint(tmp_path, family=family)
     reference = reference_model(folder, torch.float32)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, strategy)
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:]
-        worst = max(worst, *(relative_error(run.logits[t, i], expected[t]) for t in range(7)))
+    worst = paged_error(reference, prompts, run, 6)
     print(f"{family} {strategy}: paged decode, 6 steps, max |kit - transformers| / "
           f"max |logit| = {worst:.2e}")
     assert worst <= kit.config.TOLERANCE["float32"]
@@ -115,12 +110,7 @@ def test_bfloat16_paged_decode_within_the_kits_tolerance(tmp_path):
     folder = transformers_checkpoint(tmp_path, spread_weights=False)
     prompts, run = kit_paged_decode(folder, [5, 8, 11], 6, "eager", "bfloat16")
     reference = reference_model(folder, torch.bfloat16)
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        ids = torch.cat([prompt, run.tokens[i, :6]])[None]
-        with torch.no_grad():
-            expected = reference(input_ids=ids).logits[0, len(prompt) - 1:].float()
-        worst = max(worst, relative_error(run.logits[:, i].float(), expected))
+    worst = paged_error(reference, prompts, run, 6)
     own = check_against_no_cache(kit_model(folder, "bfloat16"), prompts, run, "bfloat16")
     print(f"qwen3_next bf16: against transformers {worst:.2e}, no_cache_logits "
           f"{own.max_error:.2e}")
