@@ -1,5 +1,5 @@
-"""Where a recurrent layer (Mamba-2; later gated delta-nets) keeps each request's state during
-a paged run (chapters 04, 05): a slot per sequence, read and written in place.
+"""Where a recurrent layer (Mamba-2, a gated delta-net) keeps each request's state during a
+paged run (chapters 04, 05): a slot per sequence, read and written in place.
 
 A recurrent layer's state is fixed in size whatever the sequence's length: a convolution state
 [conv_dim, conv_kernel - 1] (the last inputs its causal convolution still needs) and an SSM
