@@ -2,6 +2,7 @@
 
     kit.config.data          where model shapes, presets and reference numbers live (data/)
     kit.config.families      the families the decoder builds, and how config.json is read
+    kit.config.rope_params   RoPE's bases and scaling as config.json gives them
     kit.config.cache_kinds   the families whose cache is not K and V per head, as vLLM sizes them
     kit.config.deepseek      DeepSeek-V2/V3's routers, latent attention's score scale, keys read
     kit.config.hub           a model by its Hugging Face id: its config.json through the cache

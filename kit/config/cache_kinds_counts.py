@@ -20,7 +20,7 @@ from __future__ import annotations
 def gated(arch) -> bool:
     """Whether the family's MLPs and experts are gated (gate, up, down); Nemotron-H's are not
     (up, relu², down: vLLM's `is_act_and_mul=False`)."""
-    return arch.family != "nemotron_h"
+    return arch.parts.layer != "mixer"
 
 
 def mlp_matrices(arch, width: int, hidden: int | None = None) -> int:
@@ -116,7 +116,7 @@ def shared_weights(arch) -> int:
     """The shared expert beside the routed ones (DeepSeek's n_shared_experts as one,
     Granite's shared MLP, Qwen3-Next's with its sigmoid gate, H × 1, Nemotron-H's)."""
     s = arch.shared_expert_intermediate_size
-    return mlp_matrices(arch, s) + (arch.hidden_size if s and arch.family == "qwen3_next" else 0)
+    return mlp_matrices(arch, s) + (arch.hidden_size if s and arch.parts.shared_expert_gate else 0)
 
 
 def mlp_weights(arch, layer: int, active: bool = False) -> int:
@@ -135,7 +135,7 @@ def mlp_weights(arch, layer: int, active: bool = False) -> int:
 
 def layer_norms(arch) -> int:
     """A layer's norms: one before its mixer (Nemotron-H's only one), one before its MLP."""
-    return arch.hidden_size * (1 if arch.family == "nemotron_h" else 2)
+    return arch.hidden_size * len(arch.parts.layer_norms)
 
 
 def num_parameters(arch) -> int:

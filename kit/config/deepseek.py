@@ -30,7 +30,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from kit.config.families import INERT_KEYS, rope
+from kit.config.families import INERT_KEYS
+from kit.config.rope_params import rope
 from kit.errors import ConfigError
 
 # The routers each family's config.json may name, as (topk_method, scoring_func): V2's

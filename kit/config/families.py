@@ -3,7 +3,6 @@ made of (`Parts`), its transformers defaults, the keys read, inert or refused, e
 attention kind and RoPE. Plain data and checks: no torch."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kit.errors import ConfigError
@@ -14,6 +13,8 @@ LAYER_NORMS = {
     # Gemma 2 and 3: around attention and around the MLP, each output normed before it is added
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm"),
+    # Nemotron-H: one norm, then one mixer (Mamba-2, attention) or an MLP alone
+    "mixer": ("norm",),
 }
 # A layer's attention kind, as config.json's `layer_types` names it: a full layer attends to
 # every earlier position, a sliding one to the last `sliding_window` (itself included).
@@ -63,6 +64,12 @@ class Parts:
     unscaled_scores: bool = False
     layer_scalar: bool = False
     gemma4: bool = False
+    # Qwen3-Next's and Qwen3.5's: the shared expert's output gated by a sigmoid of the token
+    # (`shared_expert_gate`, H × 1), the gated delta-net's input projections as stored
+    # ("grouped": in_proj_qkvz and in_proj_ba, rows grouped by key head; "apart": Qwen3.5's
+    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a)
+    shared_expert_gate: bool = False
+    delta_projections: str = "grouped"
     # sized by kit.config.cache_kinds (latent, Mamba-2, delta-nets); `runs`: built by the decoder
     sized_only: bool = False
     runs: bool = True
@@ -105,10 +112,11 @@ FAMILIES = {
     "deepseek_v3": Parts("DeepseekV3ForCausalLM", sized_only=True, experts="softmax_topk"),
     "granitemoehybrid": Parts("GraniteMoeHybridForCausalLM", sized_only=True,
                               experts="topk_softmax", shared_expert=True),
-    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True),  # (dense: its MoE refused)
+    "nemotron_h": Parts("NemotronHForCausalLM", sized_only=True, layer="mixer"),  # (MoE refused)
     "qwen3_next": Parts("Qwen3NextForCausalLM", sized_only=True, norm="gemma_rms",
-                        qk_norm=True, experts="softmax_topk"),  # layers.gated_delta, ...attention
-    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, norm="gemma_rms", qk_norm=True),
+                        qk_norm=True, experts="softmax_topk", shared_expert_gate=True),
+    "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, norm="gemma_rms", qk_norm=True,
+                          delta_projections="apart"),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -346,68 +354,6 @@ def layer_types(hf: dict, family: str, name: str) -> tuple:
         raise ConfigError(f"model {name!r}: sliding layers need a positive whole "
                           f"sliding_window; config.json has {window!r}")
     return kinds
-
-
-def rope(hf: dict, name: str) -> tuple[float, float | None, tuple]:
-    """RoPE's base for full layers, for sliding ones (None: the same) and Llama 3's or YaRN's
-    scaling.
-    transformers 5 writes `rope_parameters`, one dict or one per attention kind (Gemma 3);
-    4.x wrote `rope_theta`, `rope_local_base_freq` and `rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    full, local = (params.get(FULL, {}), params.get(SLIDING, {})) if FULL in params \
-        else (params, {})
-    theta = hf.get("rope_theta") or full.get("rope_theta") or 10000.0
-    local_theta = hf.get("rope_local_base_freq") or local.get("rope_theta")
-    if local and (local.get("rope_type") or "default") != "default":
-        raise ConfigError(f"model {name!r}: rope scaling {local.get('rope_type')!r} on sliding "
-                          "layers is not supported")
-    return theta, local_theta, rope_scaling(hf.get("rope_scaling") or full, name,
-                                            hf.get("max_position_embeddings", 2048))
-
-
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings")
-# YaRN's keys as transformers reads them, with its defaults (None: derived: the original
-# context is max_position_embeddings, the factor their ratio, the attention factor
-# 0.1·ln(factor) + 1, or DeepSeek's ratio of two such terms when `mscale` and `mscale_all_dim`
-# are given).
-YARN_ROPE_KEYS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
-                  "beta_slow": 1.0, "truncate": True, "attention_factor": None}
-
-
-def rope_scaling(params: dict, name: str, max_positions: int = 2048) -> tuple:
-    """Llama 3's or YaRN's RoPE scaling (`rope_scaling`, or transformers 5's
-    `rope_parameters`) as (key, value) pairs, its "rope_type" first, () for none; every other
-    kind refused, since ignoring it would give a real checkpoint wrong logits."""
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "default":
-        return ()
-    if kind == "yarn":
-        return (("rope_type", "yarn"), *yarn_scaling(params, max_positions))
-    missing = [k for k in LLAMA3_ROPE_KEYS if k not in params]
-    if kind != "llama3" or missing:
-        raise ConfigError(f"model {name!r}: rope scaling {kind!r} "
-                          f"{'lacks ' + str(missing) if kind == 'llama3' else 'is not supported'}"
-                          "; the kit's RoPE covers none, Llama 3's ('llama3') and YaRN ('yarn')")
-    return (("rope_type", "llama3"), *((k, params[k]) for k in LLAMA3_ROPE_KEYS))
-
-
-def yarn_scaling(params: dict, max_positions: int) -> tuple:
-    """YaRN's settings with transformers' defaults filled in and the attention factor (what
-    cos and sin are multiplied by) derived where not given (`_compute_yarn_parameters`)."""
-    got = {k: params.get(k) if params.get(k) is not None else d
-           for k, d in YARN_ROPE_KEYS.items()}
-    original = got["original_max_position_embeddings"] = \
-        got["original_max_position_embeddings"] or max_positions
-    factor = got["factor"] = got["factor"] or max_positions / original
-
-    def mscale(m=1.0):
-        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-    if got["attention_factor"] is None:
-        both = params.get("mscale") and params.get("mscale_all_dim")
-        got["attention_factor"] = mscale(params["mscale"]) / mscale(params["mscale_all_dim"]) \
-            if both else mscale()
-    return tuple(got.items())
 
 
 def mlp_kinds(hf: dict, family: str, name: str) -> tuple:

@@ -17,7 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from kit.config.families import INERT_KEYS, rope
+from kit.config.families import INERT_KEYS
+from kit.config.rope_params import rope
 from kit.errors import ConfigError
 
 POSITIONS = ("rope", "nope")

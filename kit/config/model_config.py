@@ -12,12 +12,13 @@ from kit.config.data import MODELS_DIR, known_names
 from kit.config.deepseek import DeepSeekRouting, deepseek_fields
 from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
                                  Parts, check_family, check_keys, check_unquantized, experts_of,
-                                 layer_types, mlp_kinds, rope, with_family_defaults)
+                                 layer_types, mlp_kinds, with_family_defaults)
 from kit.config.gemma4 import gemma4_fields, gemma4_keys
 from kit.config.hub import hub_config, is_hub_id
 from kit.config.hybrid import HybridScales, hybrid_fields
 from kit.config.llama4 import llama4_fields, llama4_keys
 from kit.config.qwen3_next import qwen3_next_fields
+from kit.config.rope_params import rope
 from kit.config.parameter_counts import ParameterCounts
 from kit.errors import ConfigError
 

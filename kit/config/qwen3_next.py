@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 
-from kit.config.families import INERT_KEYS, rope
+from kit.config.families import INERT_KEYS
+from kit.config.rope_params import rope
 from kit.errors import ConfigError
 
 # The keys the kit's Qwen3-Next decoder reads (`sized_only_fields`, `qwen3_next_fields`).

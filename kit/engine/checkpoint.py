@@ -98,7 +98,7 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
     """Each kit parameter -> the Hugging Face tensors (name, shape) stacked along dim 0 to make
     it; a stacked expert matrix [E, rows, cols] is E × rows rows of its experts' tensors."""
     h, vocab = arch.hidden_size, arch.vocab_size
-    if arch.family == "nemotron_h":
+    if arch.parts.layer == "mixer":
         return nemotron_tensors(arch)
     parts = {"embed_tokens.weight": [("model.embed_tokens.weight", (vocab, h))],
              "norm.weight": [("model.norm.weight", (h,))]}
@@ -117,7 +117,7 @@ def tensors_of(arch: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]
         mlp = dense_mlp_tensors if not arch.is_moe(i) or arch.parts.gemma4 else \
             deepseek_experts_tensors if arch.latent_size else stacked_experts_tensors if arch.parts.expert_names == "gpt_oss" else \
             llama4_experts_tensors if arch.parts.expert_names == "llama4" else \
-            gated_shared_experts_tensors if arch.family == "qwen3_next" else experts_tensors
+            gated_shared_experts_tensors if arch.parts.shared_expert_gate else experts_tensors
         parts.update(mlp(arch, kit + "mlp.", hf, i))
         for norm in arch.parts.layer_norms:
             parts[f"{kit}{norm}.weight"] = [(f"{hf}{norm}.weight", (h,))]

@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(arch)
         moe = arch.is_moe(layer_idx) and not arch.parts.gemma4  # (Gemma 4's: `Gemma4Layer`)
         experts = DeepSeekMoE if latent else \
-            SharedGateMoE if arch.family == "qwen3_next" else SparseMoE
+            SharedGateMoE if arch.parts.shared_expert_gate else SparseMoE
         self.mlp = experts(arch, layer_idx) if moe else MLP(arch, layer_idx)
 
     def forward(self, x, cos, sin, num_seqs: int, meta: AttentionMetadata | None = None,
@@ -146,7 +146,7 @@ class MixerLayer(nn.Module):
 
 
 # Where a layer's norms sit (`Parts.layer`) -> the layer that places them so.
-LAYERS = {"pre_norm": DecoderLayer, "sandwich": SandwichLayer}
+LAYERS = {"pre_norm": DecoderLayer, "sandwich": SandwichLayer, "mixer": MixerLayer}
 
 
 class Decoder(nn.Module):
@@ -158,8 +158,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.arch, self.parts = arch, arch.parts
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        layer = Gemma4Layer if self.parts.gemma4 else MixerLayer if arch.family == "nemotron_h" \
-            else LAYERS[self.parts.layer]
+        layer = Gemma4Layer if self.parts.gemma4 else LAYERS[self.parts.layer]
         self.layers = nn.ModuleList(layer(arch, i) for i in range(arch.num_hidden_layers))
         self.per_layer_inputs = PerLayerInputs(arch) if arch.hidden_size_per_layer_input \
             else None
