@@ -152,11 +152,10 @@ def test_the_specs_of_each_kind():
 
 def test_a_family_out_of_reach_is_refused_by_name_and_a_hybrid_sizes_for_a_run():
     """Every family the kit sizes runs now (none is sized only, issue 35), so the
-    refusal shown is of a family it neither sizes nor runs, Qwen3.5's MoE text model (by what
-    it needs); Qwen3.5-27B's settings raise the block size to its hybrid page."""
-    with pytest.raises(ConfigError, match="'qwen3_5_moe_text' is not supported .it needs "
+    refusal shown is of a family it neither sizes nor runs, Falcon-H1 (by what it needs); Qwen3.5-27B's settings raise the block size to its hybrid page."""
+    with pytest.raises(ConfigError, match="'falcon_h1' is not supported .it needs "
                                           "state-space or linear-attention layers"):
-        ModelConfig.from_dict({"model_type": "qwen3_5_moe_text", "hidden_size": 64}, "moe")
+        ModelConfig.from_dict({"model_type": "falcon_h1", "hidden_size": 64}, "hybrid")
     settings = kit.load("cpu-small", sizing_only=True, model="qwen3.5-27b",
                         max_model_len=4096)
     assert KVCacheLayout.for_settings(settings).block_size > settings.block_size
@@ -205,7 +204,7 @@ def test_a_gpu_refuses_more_sequences_than_recurrent_blocks():
 
 @needs_vllm
 @pytest.mark.parametrize("name", ["granite-4.0-h-small", "nemotron-h-8b", "qwen3-next-80b-a3b",
-                                  "qwen3.5-27b", "deepseek-v2-lite"])
+                                  "qwen3.5-27b", "qwen3.5-35b-a3b", "deepseek-v2-lite"])
 def test_tensor_parallel_ranks_are_sized_as_vllm_sizes_them(tmp_path, name):
     """Over 2 and 4 ranks a recurrent state is split by heads (Mamba-2's groups extended to
     whole ones per rank: Granite's single group becomes one per rank) and a latent is kept

@@ -24,7 +24,8 @@ DELTA = dict(num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
 # Each family at tiny shapes, with what sets its count apart: a low-rank query and two shared
 # experts (DeepSeek-V2), the routing-score bias vLLM keeps (V3's noaux_tc), Mamba-2 groups,
 # biases and a tied head (Granite), Granite without experts, Nemotron-H's MLP-only and
-# non-gated MoE layers, Qwen3-Next's dense layer and gated shared expert, Qwen3.5 dense.
+# non-gated MoE layers, Qwen3-Next's dense layer and gated shared expert, Qwen3.5 dense and
+# Qwen3.5's MoE (experts on every layer).
 TINY = {
     "deepseek_v2": lambda: T.DeepseekV2Config(**SMALL, **LATENT, q_lora_rank=40,
                                               n_shared_experts=2),
@@ -50,6 +51,9 @@ TINY = {
         mlp_only_layers=[1]),
     "qwen3_5_text": lambda: T.Qwen3_5TextConfig(**SMALL, **DELTA, num_hidden_layers=2,
                                                 full_attention_interval=2),
+    "qwen3_5_moe_text": lambda: T.Qwen3_5MoeTextConfig(
+        **SMALL, **DELTA, num_hidden_layers=2, full_attention_interval=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 SIZED_FAMILIES = LATENT_FAMILIES + STATE_FAMILIES
 PUBLISHED = sorted(p.stem for p in MODELS_DIR.glob("*.json")

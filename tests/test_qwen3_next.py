@@ -16,7 +16,7 @@ from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
                                    kit_paged_decode, paged_error, reference_model, relative_error)
 
-FAMILIES = ("qwen3_next", "qwen3_5_text")
+FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 QWEN3_NEXT_EXPERTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                       "shared_expert_intermediate_size", "mlp_only_layers")
 # 3 gated delta-nets and 1 attention layer; 2 key heads serving 4 value heads; experts on 3
@@ -34,6 +34,9 @@ TINY_3_5 = {**{k: v for k, v in TINY.items() if k not in QWEN3_NEXT_EXPERTS},
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                                 "mrope_interleaved": True}}
+# Qwen3.5's MoE sizes: Qwen3.5's layers with Qwen3-Next's experts and gated shared expert on
+# every layer
+TINY_3_5_MOE = {**TINY_3_5, **{k: TINY[k] for k in QWEN3_NEXT_EXPERTS[:-1]}}
 
 
 def spread_qwen3_next(folder, seed=0):
@@ -60,8 +63,11 @@ def spread_qwen3_next(folder, seed=0):
 def transformers_checkpoint(tmp_path, spread_weights: bool = True, family: str = "qwen3_next",
                             **changes):
     transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3NextConfig(**{**TINY, **changes}) if family == "qwen3_next" \
-        else transformers.Qwen3_5TextConfig(**{**TINY_3_5, **changes})
+    config_class, tiny = {"qwen3_next": (transformers.Qwen3NextConfig, TINY),
+                          "qwen3_5_text": (transformers.Qwen3_5TextConfig, TINY_3_5),
+                          "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig,
+                                               TINY_3_5_MOE)}[family]
+    config = config_class(**{**tiny, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path / family
@@ -83,7 +89,7 @@ def test_prefill_logits_match_transformers(tmp_path, family):
 
 
 @pytest.mark.parametrize("family,strategy", [
-    ("qwen3_next", "eager"), ("qwen3_5_text", "eager"),
+    ("qwen3_next", "eager"), ("qwen3_5_text", "eager"), ("qwen3_5_moe_text", "eager"),
     pytest.param("qwen3_next", "guard_free", marks=pytest.mark.slow)])  # (compiles)
 def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(
         tmp_path, family, strategy):
@@ -143,6 +149,29 @@ def test_what_the_qwen3_5_decoder_does_not_build_is_refused_by_name(changes, mes
     arch = ModelConfig.from_dict({"model_type": "qwen3_5_text", **TINY_3_5, **changes}, "tiny")
     with pytest.raises(ConfigError, match=message):
         check_runnable(arch)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    ({"intermediate_size": 96, "use_sliding_window": True}, "use_sliding_window=True"),
+])
+def test_what_the_qwen3_5_moe_decoder_does_not_build_is_refused_by_name(changes, message):
+    """transformers and vLLM put experts on every layer whatever decoder_sparse_step and
+    mlp_only_layers say, and renormalise the picked probabilities: other values refused."""
+    arch = ModelConfig.from_dict({"model_type": "qwen3_5_moe_text", **TINY_3_5_MOE, **changes},
+                                 "tiny")
+    with pytest.raises(ConfigError, match="Qwen3.5 MoE decoder does not build .*" + message):
+        check_runnable(arch)
+
+
+def test_qwen3_5_35b_a3b_is_accepted_with_experts_on_every_layer():
+    arch = ModelConfig.load("qwen3.5-35b-a3b")
+    check_runnable(arch)
+    assert set(arch.mlp_kinds) == {"experts"} and arch.norm_topk_prob
+    assert (arch.num_experts, arch.num_experts_per_tok) == (256, 8)
+    assert arch.parts.shared_expert_gate and arch.recurrent.ssm_dtype == "float32"
 
 
 def test_qwen3_5_27b_is_accepted_with_its_state_dtype_and_rope():

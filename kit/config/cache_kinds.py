@@ -1,9 +1,9 @@
 """The families whose cache is not a key and a value per KV head, read from config.json for
 sizing: DeepSeek's multi-head latent attention (`deepseek_v2`, `deepseek_v3`) and the hybrids
 of attention with recurrent layers, Mamba-2 (`granitemoehybrid`, `nemotron_h`) or gated
-delta-nets (`qwen3_next`, `qwen3_5_text`). The kit sizes them as vLLM 0.32 does (weights, the
-KV cache's specs, blocks and concurrency) and its decoder runs DeepSeek-V2 only
-(`Parts.sized_only`, `Parts.runs`; `kit.config.deepseek`). Plain data: no torch.
+delta-nets (`qwen3_next`, `qwen3_5_text`, `qwen3_5_moe_text`). The kit sizes them as vLLM 0.32
+does (weights, the KV cache's specs, blocks and concurrency), reading config.json here
+(`Parts.sized_only`); its decoder runs them all (`Parts.runs`). Plain data: no torch.
 
 Each family's keys are read as its transformers config class and vLLM's model read them:
 
@@ -27,8 +27,9 @@ LINEAR, MLP_ONLY = "linear_attention", "mlp"
 LEGACY_LAYER_TYPES = {"mamba": LINEAR, "attention": "full_attention", "moe": MLP_ONLY}
 NEMOTRON_PATTERN = {"M": LINEAR, "*": "full_attention", "-": MLP_ONLY, "E": MLP_ONLY}
 LATENT_FAMILIES = ("deepseek_v2", "deepseek_v3")
-STATE_FAMILIES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text")
-MAMBA2_FAMILIES = STATE_FAMILIES[:2]
+STATE_FAMILIES = ("granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text",
+                  "qwen3_5_moe_text")
+MAMBA2_FAMILIES, DELTA_FAMILIES = STATE_FAMILIES[:2], STATE_FAMILIES[2:]
 # What each family's transformers config class assumes for a key config.json leaves out, where
 # the reading below would assume otherwise (vLLM reads configs through those classes too).
 SIZED_DEFAULTS = {
@@ -46,10 +47,13 @@ SIZED_DEFAULTS = {
                    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                    "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
     "qwen3_5_text": {"num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288},
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
+                         "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                         "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
 }
 # vLLM's models of these families build a separate LM head even where config.json ties it
-# (DeepseekV2ForCausalLM, NemotronHForCausalLM, Qwen3NextForCausalLM): only these two tie.
-TIED_FAMILIES = ("granitemoehybrid", "qwen3_5_text")
+# (DeepseekV2ForCausalLM, NemotronHForCausalLM, Qwen3NextForCausalLM): only these tie.
+TIED_FAMILIES = ("granitemoehybrid", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ def layer_kinds(hf: dict, family: str, name: str) -> tuple:
         kinds = ["full_attention"] * n
     elif kinds is None and "hybrid_override_pattern" in hf:
         kinds = [NEMOTRON_PATTERN.get(c, c) for c in hf["hybrid_override_pattern"]]
-    elif kinds is None and family in ("qwen3_next", "qwen3_5_text"):
+    elif kinds is None and family in DELTA_FAMILIES:
         every = hf.get("full_attention_interval") or 4
         kinds = ["full_attention" if (i + 1) % every == 0 else LINEAR for i in range(n)]
     kinds = tuple(LEGACY_LAYER_TYPES.get(k, k) for k in kinds or ())
@@ -130,7 +134,7 @@ def recurrent_of(hf: dict, family: str) -> Recurrent | None:
                          proj_bias=bool(hf.get("use_bias")),
                          chunk_size=hf.get("chunk_size") or 128,
                          norm_groups=hf.get("n_groups", 8))
-    if family in ("qwen3_next", "qwen3_5_text"):
+    if family in DELTA_FAMILIES:
         heads, head_dim = hf.get("linear_num_value_heads", 32), hf.get("linear_value_head_dim", 128)
         return Recurrent("gated_delta_net", hf.get("linear_conv_kernel_dim", 4), heads, head_dim,
                          hf.get("linear_key_head_dim", 128), hf.get("linear_num_key_heads", 16),

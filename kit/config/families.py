@@ -117,6 +117,9 @@ FAMILIES = {
                         qk_norm=True, experts="softmax_topk", shared_expert_gate=True),
     "qwen3_5_text": Parts("Qwen3_5ForCausalLM", sized_only=True, norm="gemma_rms", qk_norm=True,
                           delta_projections="apart"),
+    "qwen3_5_moe_text": Parts("Qwen3_5MoeForCausalLM", sized_only=True, norm="gemma_rms",
+                              qk_norm=True, experts="softmax_topk", shared_expert_gate=True,
+                              delta_projections="apart"),
 }
 # How a token picks its experts (`Parts.experts`): "softmax_topk" takes the softmax over every
 # expert's logit in float32, then the k largest probabilities, renormalised to sum to 1 where
@@ -204,7 +207,7 @@ OUT_OF_REACH = {
     "mixture of experts": ("qwen2_moe", "dbrx", "olmoe", "granitemoe", "jamba", "glm4_moe",
                            "minimax_m2"),
     "state-space or linear-attention layers": ("mamba", "mamba2", "falcon_h1", "bamba",
-                                               "zamba2", "lfm2", "qwen3_5_moe_text"),
+                                               "zamba2", "lfm2"),
 }
 # config.json keys that never change a forward pass's arithmetic (token ids, training-only
 # settings, bookkeeping); every other key is read (`ModelConfig.from_dict`) or refused by name.

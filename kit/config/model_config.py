@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kit.config.cache_kinds import (LATENT_FAMILIES, LINEAR, MAMBA2_FAMILIES, MLP_ONLY,
-                                    Recurrent, sized_only_fields)
+from kit.config.cache_kinds import (DELTA_FAMILIES, LATENT_FAMILIES, LINEAR, MAMBA2_FAMILIES,
+                                    MLP_ONLY, Recurrent, sized_only_fields)
 from kit.config.data import MODELS_DIR, known_names
 from kit.config.deepseek import DeepSeekRouting, deepseek_fields
 from kit.config.families import (ACTIVATIONS, CHUNKED, FAMILIES, FULL, GEMMA4_UNREAD, SLIDING,
@@ -107,7 +107,7 @@ class ModelConfig(ParameterCounts):
             fields = sized_only_fields(hf, family, name)
             if family in LATENT_FAMILIES:
                 fields.update(deepseek_fields(hf, name))
-            elif family in ("qwen3_next", "qwen3_5_text"):
+            elif family in DELTA_FAMILIES:
                 fields.update(qwen3_next_fields(hf, name))
             elif family in MAMBA2_FAMILIES:
                 fields.update(hybrid_fields(hf, family, name))

@@ -9,7 +9,8 @@ renormalised where `norm_topk_prob`, beside a shared expert; RoPE on the first
 `partial_rotary_factor` of each head (top level, or in `rope_parameters`).
 
 Qwen3.5's text model (transformers' `Qwen3_5TextConfig`, vLLM's `Qwen3_5ForCausalLM`) is the
-same decoder with dense MLPs on every layer (no expert keys), its delta-net's projections stored
+same decoder with dense MLPs on every layer (no expert keys; its MoE sizes, `qwen3_5_moe_text`,
+have Qwen3-Next's experts on every layer instead), its delta-net's projections stored
 apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), the recurrent state's dtype
 (`mamba_ssm_dtype`, read by `kit.engine.hybrid_cache.state_dtypes`) and multimodal RoPE's
 `mrope_section` / `mrope_interleaved`: each splits the turned frequencies among temporal,
@@ -54,10 +55,22 @@ MTP_KEYS = {"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "num_nextn_
 # (both gate the delta-net's output by SiLU, "swish"); a tied LM head both build.
 FIXED_3_5 = {**FIXED, "tie_word_embeddings": (False, True, None), "layer_scale": (False, None),
              "output_gate_type": ("swish", None)}
+# Qwen3.5's MoE decoder (transformers' `Qwen3_5MoeTextConfig`, vLLM's `Qwen3_5MoeForCausalLM`):
+# experts beside a gated shared expert on every layer (both build them whatever
+# decoder_sparse_step or mlp_only_layers say), the picked probabilities always renormalised
+# (transformers' router always does; vLLM reads norm_topk_prob, True where absent).
+READ_3_5_MOE = READ_3_5 | {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "shared_expert_intermediate_size"}
+FIXED_3_5_MOE = {**FIXED_3_5, "decoder_sparse_step": (1, None), "mlp_only_layers": ([], None),
+                 "norm_topk_prob": (True, None)}
+# Each family's keys read and fixed.
+KEYS = {"qwen3_next": (READ, FIXED), "qwen3_5_text": (READ_3_5, FIXED_3_5),
+        "qwen3_5_moe_text": (READ_3_5_MOE, FIXED_3_5_MOE)}
 STATE_DTYPES = ("float32", "bfloat16", "float16", None)
 
 
-FAMILY_NAMES = {"qwen3_next": "Qwen3-Next", "qwen3_5_text": "Qwen3.5"}
+FAMILY_NAMES = {"qwen3_next": "Qwen3-Next", "qwen3_5_text": "Qwen3.5",
+                "qwen3_5_moe_text": "Qwen3.5 MoE"}
 
 
 def rotary_fraction(hf: dict) -> float:
@@ -81,13 +94,12 @@ def check_gated_delta_run(arch) -> None:
     """Refuse by name, before any work, each key of a Qwen3-Next config.json the kit's decoder
     neither reads nor holds inert, or holds at a setting it does not build."""
     hf, name = json.loads(arch.source_config or "{}"), arch.name
-    dense = arch.family == "qwen3_5_text"
-    read, fixed = (READ_3_5, FIXED_3_5) if dense else (READ, FIXED)
+    read, fixed = KEYS[arch.family]
     unknown = sorted(set(hf) - read - INERT_KEYS - set(fixed) - MTP_KEYS)
     problems = [f"keys the kit's decoder does not build: {unknown}"] if unknown else []
     problems += [f"{key}={hf[key]!r} (the kit builds {allowed[0]!r})"
                  for key, allowed in fixed.items() if key in hf and hf[key] not in allowed]
-    if dense and hf.get("mamba_ssm_dtype") not in STATE_DTYPES:
+    if "mamba_ssm_dtype" in read and hf.get("mamba_ssm_dtype") not in STATE_DTYPES:
         problems.append(f"mamba_ssm_dtype={hf['mamba_ssm_dtype']!r} (a state in float32, "
                         "bfloat16 or float16)")
     if arch.hidden_act != "silu":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, asdict, dataclass, fields
 
+from kit.config.cache_kinds import DELTA_FAMILIES
 from kit.config.data import DEFAULT_PRESET, read_preset
 from kit.config.deepseek import check_latent_run
 from kit.config.hybrid import check_hybrid_run
@@ -44,7 +45,7 @@ def check_runnable(arch) -> None:
         check_latent_run(arch)
     if arch.hybrid is not None and arch.parts.runs:
         check_hybrid_run(arch)
-    if arch.family in ("qwen3_next", "qwen3_5_text") and arch.parts.runs:
+    if arch.family in DELTA_FAMILIES and arch.parts.runs:
         check_gated_delta_run(arch)
     if not arch.parts.runs:
         raise ConfigError(

@@ -35,7 +35,7 @@ def gated_delta_tensors(arch: ModelConfig, kit: str, hf: str) -> dict:
               "A_log": (rec.heads,), "norm.weight": (rec.head_dim,),
               "out_proj.weight": (h, values)}
     parts = {f"{kit}{name}": [(f"{hf}{name}", shape)] for name, shape in shapes.items()}
-    if arch.parts.delta_projections == "apart":  # stored apart, stacked as vLLM's Qwen3_5Model loads them
+    if arch.parts.delta_projections == "apart":  # stacked as vLLM's Qwen3_5Model loads them
         apart = {"qkvz": {"qkv": 2 * keys + values, "z": values},
                  "ba": {"b": rec.heads, "a": rec.heads}}
         parts.update({f"{kit}in_proj_{fused}.weight": [(f"{hf}in_proj_{n}.weight", (rows, h))

@@ -17,7 +17,8 @@ from kit.engine.kv_specs import AttentionSpec, MambaSpec
 from kit.units import Bytes, Count, Ratio
 
 LATENT_MODELS = ("deepseek-v2-lite", "deepseek-v3")
-HYBRID_MODELS = ("granite-4.0-h-small", "nemotron-h-8b", "qwen3-next-80b-a3b", "qwen3.5-27b")
+HYBRID_MODELS = ("granite-4.0-h-small", "nemotron-h-8b", "qwen3-next-80b-a3b", "qwen3.5-27b",
+                 "qwen3.5-35b-a3b")
 
 
 def latent_models() -> list[ModelConfig]:
