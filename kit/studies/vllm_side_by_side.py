@@ -246,7 +246,8 @@ class KitTurns:
             if first:
                 decode.tokens = run.tokens.tolist()
                 check = check_routed_against_no_cache(self.model, self.batch, self.prompts,
-                                                      run, self.settings.dtype, self.prefill)
+                                                      run, self.settings.dtype, self.prefill,
+                                                      self.runner)
                 if not check.ok:
                     decode.error = off_reference(check)
         except Exception as e:  # noqa: BLE001
