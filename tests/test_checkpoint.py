@@ -400,6 +400,8 @@ def test_token_comparison_allows_16_bit_runs_to_part_only_at_a_low_margin():
     parted_late = steps([(1, 1), (2, 2), (3, 4), (5, 6)], [0.5, 0.3, 0.01, 0.2])
     assert TokenComparison("bfloat16", "f", parted_late).ok  # parted at a margin under 4e-2
     assert TokenComparison("bfloat16", "f", parted_late).first_low_margin(0) == 2
+    assert TokenComparison("bfloat16", "f", parted_late).checked == 2  # steps 0 and 1
+    assert TokenComparison("float32", "f", parted_late).checked == 4
     assert not TokenComparison("float32", "f", parted_late).ok  # float32: every token
     parted_early = steps([(1, 1), (2, 3), (3, 3)], [0.5, 0.3, 0.01])
     assert not TokenComparison("bfloat16", "f", parted_early).ok  # a wide margin, yet parted
@@ -476,6 +478,18 @@ def test_a_token_comparison_vllm_could_not_run_is_recorded_not_raised():
     assert not failed.ok and failed.agreement == 0.0 and texts(failed) is None
     assert failed.summary()["error"].startswith("ValueError")
     assert "float32 not supported" in repr(token_table({"float32": failed}))
+
+
+def test_a_gated_delta_net_is_compared_with_vllms_cpu_engine_in_bf16_only():
+    """vLLM's CPU delta-net asserts "CPU GDN attention requires BF16": chapter 05 leaves its
+    float32 row out, saying why in the table, rather than failing the check."""
+    from kit.show.tables import token_table
+    from kit.studies.token_for_token import token_dtypes
+    assert token_dtypes(kit.load(model="tiny-mamba")) == (["bfloat16", "float32"], {})
+    dtypes, left_out = token_dtypes(kit.load(model="tiny-gdn"))
+    assert dtypes == ["bfloat16"] and list(left_out) == ["float32"]
+    assert "bf16 only" in repr(token_table({}, left_out))
+    assert token_dtypes(kit.load(model="tiny-gdn", dtype="float32"))[0] == []
 
 
 @pytest.mark.parametrize("family,changes", [

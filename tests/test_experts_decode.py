@@ -203,3 +203,22 @@ def test_the_compiled_prefill_notes_the_picks_it_made():
     assert [layer for layer, _ in noted["compiled"]] == [0, 1]
     for (_, eager), (_, got) in zip(noted["eager"], noted["compiled"]):
         assert got.shape == (27, 2) and got.sort(-1).values.equal(eager.sort(-1).values)
+
+
+def test_a_flips_gap_is_relative_to_the_largest_router_logit_in_magnitude():
+    """A router's logits may all be negative. Relative to the top one (-0.008) the 0.005 gap
+    between the 2nd and 3rd read 0.63 (tiny-gdn's chapter 04 failed on it); relative to the
+    largest in magnitude (-0.5) it is 0.01, a near-tie."""
+    from kit.engine.routing_replay import Flips, replayed
+    a = moe_arch(layers=1, experts=8, k=2)
+    model = build_model(a, "float32", "cpu", seed=0)
+    moe = moe_layers(model)[0][1]
+    logits = torch.tensor([-0.008, -0.016, -0.021, -0.108, -0.2, -0.3, -0.4, -0.5])
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[:, 0] = logits
+    x = torch.zeros(1, a.hidden_size)
+    x[0, 0] = 1.0
+    flips = Flips(4e-2)
+    replayed(moe, x, torch.tensor([[0, 2]]), flips, None)  # own picks: [0, 1]
+    assert flips.gaps == [pytest.approx(0.005 / 0.5, rel=1e-4)] and flips.ok

@@ -191,3 +191,36 @@ def test_the_published_shape_is_accepted_and_reads_its_rope():
     check_runnable(arch)
     assert (arch.rope_theta, arch.partial_rotary_factor) == (10_000_000, 0.25)
     assert arch.layer_types.count("full_attention") == 12
+
+
+def test_compiled_bfloat16_decode_is_checked_against_its_own_routing():
+    """A compiled bf16 step rounds otherwise than an eager one, so an eager rerun may route a
+    near-tie otherwise and then follow hidden states the run never had (tiny-gdn's chapter 04:
+    1.3e-1). The check records the run's routing through its own compiled step (kit::noted runs
+    inside compiled code): exactly the picks the run made, and its logits within bf16's
+    tolerance of the no-cache reference routed so."""
+    from kit.engine.decode import batch_for_run, generate, make_prompts
+    from kit.engine.decode_runners import decode_runner
+    from kit.engine.kv_cache import KVCacheLayout
+    from kit.engine.layers.experts import noting_picks
+    from kit.engine.model import build_model
+    from kit.engine.routing_replay import check_routed_against_no_cache, record_routing
+    arch = ModelConfig.from_dict({"model_type": "qwen3_next", "rms_norm_eps": 1e-6, **TINY,
+                                  "num_hidden_layers": 2, "full_attention_interval": 2,
+                                  "mlp_only_layers": []}, "tiny-qwen3-next")  # (compiles less)
+    model = build_model(arch, "bfloat16", "cpu", seed=0)
+    lengths = [5, 8, 11]
+    prompts = make_prompts(lengths, arch.vocab_size, 3)
+    batch = batch_for_run(KVCacheLayout.for_model(arch, 4, "bfloat16"), lengths, 6, "cpu")
+    runner = decode_runner(model, batch, prompts, "guard_free")
+    with noting_picks() as noted:
+        run = generate(model, batch, prompts, 6, step=runner)
+    recorded = record_routing(model, batch, prompts, run, step=runner)
+    layers = sorted({layer for layer, _ in noted})  # per MoE layer, the run's 6 steps' picks
+    picked = [[ids for layer, ids in noted if layer == j][-6:] for j in layers]
+    assert all(torch.equal(recorded[i][j][-6:], torch.cat([ids[i:i + 1] for ids in picked[j]]))
+               for i in range(len(prompts)) for j in range(len(layers)))
+    check = check_routed_against_no_cache(model, batch, prompts, run, "bfloat16", step=runner)
+    runner.discard()
+    print(f"compiled bf16: {check.max_error:.2e}, {check.routing.summary()}")
+    assert check.ok, (check.max_error, check.routing.summary())

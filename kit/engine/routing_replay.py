@@ -8,17 +8,20 @@ differs by a whole expert's. Random weights in 16 bits put a few such near-ties 
 
 So the reference of a model with experts routes every token as the paged run routed it:
 `record_routing` reruns the paged run, fed the run's own tokens, and keeps every MoE layer's
-picks at every position (`noting_picks`: its prompt's in the prefill, through the run's own
-prefill, compiled or not, then one per step, eagerly); the
+picks at every position (`noting_picks`: its prompt's in the prefill, then one per step, each
+through the run's own runner, compiled or not, which rounds as the run did and so picks as it
+did; CUDA graphs replay without running Python, so their steps are rerun eagerly); the
 reference's routers then weigh those experts (`SparseMoE.picks(logits, ids)`) instead of their
 own top k. What is left is rounding, checked against the dtype's tolerance as for a dense model.
 
 Each pick the reference's router would have made otherwise is a flip, kept with its gap: the
-reference's k-th minus (k+1)-th router logit there, relative to the largest (every router ranks
-experts by logit). A flip is a near-tie only if that gap is within the tolerance; a flip across
-a wider gap means the run routed wrongly, and the check fails (`Flips.ok`). A compiled step
-rounds otherwise than the eager rerun and may flip a near-tie the rerun did not: such a step is
-checked against the other side of the tie (`explained_reference`), and counted.
+reference's k-th minus (k+1)-th router logit there, relative to the largest in magnitude of the
+token's router logits (every router ranks experts by logit; all of them may be negative, and
+relative to a top logit of -0.008 tiny-gdn's gap of 0.005 read 0.63). A flip is a near-tie only
+if that gap is within the tolerance; a flip across a wider gap means the run routed wrongly, and
+the check fails (`Flips.ok`). Where the rerun's steps are eager (a CUDA graph's), a step rounds
+otherwise than the rerun and may flip a near-tie the rerun did not: such a step is checked
+against the other side of the tie (`explained_reference`), and counted.
 """
 from __future__ import annotations
 
@@ -54,16 +57,20 @@ class Flips:
                 "largest_flip_gap": Number(max(self.gaps, default=0.0)), "ok": self.ok}
 
 
-def record_routing(model, batch: PagedBatch, prompts, run,
-                   prefill=None) -> list[list[torch.Tensor]]:
+def record_routing(model, batch: PagedBatch, prompts, run, prefill=None,
+                   step=None) -> list[list[torch.Tensor]]:
     """Every MoE layer's picks at every position of each sequence of `run`, from a paged rerun
-    of its batch fed the run's tokens, its prefill through `prefill` (the run's own runner, or
-    eager for None: a compiled prefill rounds otherwise than an eager one and may cross a
-    near-tie), its steps eager: [sequence][MoE layer] -> ids [positions, k]."""
+    of its batch fed the run's tokens, its prefill through `prefill` and its steps through
+    `step` (the run's own runners, or eager for None: compiled code rounds otherwise than
+    eager code and may cross a near-tie the eager rerun would not; a CUDA graph's replay runs
+    no Python and notes nothing, so its steps are rerun eagerly):
+    [sequence][MoE layer] -> ids [positions, k]."""
     steps = len(run.step_seconds)
+    if step is None or getattr(step, "strategy", None) == "cuda_graphs":
+        step = step_function(model, batch.max_context_len)
     with noting_picks() as noted:
         generate(model, batch, prompts, steps, keep_logits=False, prefill=prefill,
-                 step=fed_step(step_function(model, batch.max_context_len), run.tokens))
+                 step=fed_step(step, run.tokens))
     layers = sorted({layer for layer, _ in noted})
     calls = [[ids for layer, ids in noted if layer == j] for j in layers]  # per MoE layer
     return [[torch.cat([prefill_rows(ids, batch.lengths, i), *(s[i:i + 1] for s in
@@ -115,7 +122,8 @@ def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips, ranked: list
     ids = torch.where(ids < 0, own, ids)
     top = logits.float().topk(moe.top_k + 1, dim=-1)  # every router ranks experts by logit
     differ = (own.sort(-1).values != ids.sort(-1).values).any(-1)
-    gaps = (top.values[:, -2] - top.values[:, -1]) / top.values[:, 0].abs().clamp_min(1e-30)
+    scale = logits.float().abs().amax(-1).clamp_min(1e-30)  # (all may be negative)
+    gaps = (top.values[:, -2] - top.values[:, -1]) / scale
     flips.positions += x.shape[0]
     flips.gaps += gaps[differ].cpu().tolist()
     if ranked is not None:
@@ -124,13 +132,13 @@ def replayed(moe, x: torch.Tensor, ids: torch.Tensor, flips: Flips, ranked: list
 
 
 def check_routed_against_no_cache(model, batch: PagedBatch, prompts, run, dtype: str,
-                                  prefill=None) -> Correctness:
+                                  prefill=None, step=None) -> Correctness:
     """`check_against_no_cache`, its reference routed as `run` was where the model has experts
-    (`record_routing`, the run's prefill through `prefill`, its runner; `explained_reference`),
-    its flips in the result; a dense model's as it is."""
+    (`record_routing`, the run's prefill through `prefill` and its steps through `step`, its
+    runners; `explained_reference`), its flips in the result; a dense model's as it is."""
     if not moe_layers(model):
         return check_against_no_cache(model, prompts, run, dtype)
-    routing = record_routing(model, batch, prompts, run, prefill)
+    routing = record_routing(model, batch, prompts, run, prefill, step)
     flips = Flips(TOLERANCE[dtype])
 
     def reference(i, prompt, fed):

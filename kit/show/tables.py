@@ -377,8 +377,9 @@ def engines_table(runs: dict) -> Table:
                   for mode, r in runs.items()])
 
 
-def token_table(comparisons: dict) -> Table:
-    """Chapter 05's token comparison per dtype (`TokenComparison` each)."""
+def token_table(comparisons: dict, left_out: dict | None = None) -> Table:
+    """Chapter 05's token comparison per dtype (`TokenComparison` each), then the dtypes left
+    out, each with why (`token_for_token.token_dtypes`)."""
     rows = []
     for dtype, c in comparisons.items():
         if c.error:
@@ -388,10 +389,13 @@ def token_table(comparisons: dict) -> Table:
         worst = max(abs(s.kit_logprob - s.vllm_logprob) for s in parted)
         lows = {q: c.first_low_margin(q) for q in sorted({s.seq for s in c.steps})}
         rows.append({"dtype": dtype, "tokens agreeing": f"{c.agreement:.0%} of {len(c.steps)}",
+                     "tokens that must agree": c.checked,
                      "largest log-prob difference": f"{worst:.1e}",
                      "first step under the margin tolerance, per sequence":
                          ", ".join(f"{q}: {'none' if t is None else t}" for q, t in lows.items()),
                      "check": "pass" if c.ok else "FAIL"})
+    rows += [{"dtype": d, "tokens agreeing": "not compared", "check": why}
+             for d, why in (left_out or {}).items()]
     return Table(rows)
 
 

@@ -185,7 +185,7 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             timings[name].prefills.append(run.prefill_seconds)
             if round_ == 0:
                 timings[name].correctness = check_routed_against_no_cache(
-                    model, batch, prompts, run, dtype, prefills[name])
+                    model, batch, prompts, run, dtype, prefills[name], runner)
         if after_round is not None:
             after_round()
     if breakdown_steps:

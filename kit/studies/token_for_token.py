@@ -101,6 +101,12 @@ class TokenComparison:
             s.agree for s in self.steps if self.expected_to_agree(s))
 
     @property
+    def checked(self) -> int:
+        """Steps that must agree: every one in float32, those before a sequence's first low
+        margin in 16 bits."""
+        return sum(self.expected_to_agree(s) for s in self.steps)
+
+    @property
     def agreement(self) -> float:
         return sum(s.agree for s in self.steps) / len(self.steps) if self.steps else 0.0
 
@@ -158,6 +164,24 @@ def kit_greedy(settings: Settings, folder: Path, prompts: list[torch.Tensor], st
     layout = KVCacheLayout.for_model(arch, BLOCK_SIZE, settings.dtype, device="cpu")
     batch = batch_for_run(layout, lengths, steps, "cpu")
     return generate(model, batch, prompts, steps), model, batch
+
+
+# Recurrent kinds vLLM's CPU engine runs in bf16 only: its delta-net kernel asserts "CPU GDN
+# attention requires BF16" (`cpu_gdn_attention_core`, vllm/model_executor/layers/mamba/ops/cpu/
+# gdn_attention.py)
+CPU_BF16_ONLY = {"gated_delta_net": "vLLM's CPU gated delta-net runs in bf16 only"}
+
+
+def token_dtypes(settings: Settings) -> tuple[list[str], dict[str, str]]:
+    """The dtypes chapter 05 compares tokens in (the settings', and on the CPU float32, where
+    every token must agree), and those vLLM's CPU engine cannot run this model in, each with
+    why (`CPU_BF16_ONLY`)."""
+    wanted = list(dict.fromkeys([settings.dtype] + (["float32"] if settings.device == "cpu"
+                                                    else [])))
+    recurrent = settings.arch.recurrent
+    why = CPU_BF16_ONLY.get(recurrent.kind) if recurrent and settings.device == "cpu" else None
+    left_out = {d: why for d in wanted if why and d != "bfloat16"}
+    return [d for d in wanted if d not in left_out], left_out
 
 
 def for_model(settings: Settings, model: str | None) -> Settings | None:

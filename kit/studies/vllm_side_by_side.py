@@ -245,8 +245,8 @@ class KitTurns:
             decode.generations.append(run.prefill_seconds + sum(run.step_seconds))
             if first:
                 decode.tokens = run.tokens.tolist()
-                check = check_routed_against_no_cache(self.model, self.batch, self.prompts,
-                                                      run, self.settings.dtype, self.prefill)
+                check = check_routed_against_no_cache(self.model, self.batch, self.prompts, run,
+                                                      self.settings.dtype, self.prefill, self.runner)
                 if not check.ok:
                     decode.error = off_reference(check)
         except Exception as e:  # noqa: BLE001
