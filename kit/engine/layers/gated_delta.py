@@ -151,7 +151,7 @@ class GatedDeltaNet(nn.Module):
         self.key_heads, self.key_dim = r.groups, r.state_dim
         self.value_heads, self.value_dim = r.heads, r.head_dim
         self.per_key = r.heads // r.groups
-        self.grouped = arch.family == "qwen3_next"  # (Qwen3.5: [q, k, v, z] and [b, a])
+        self.grouped = arch.parts.delta_projections == "grouped"  # (Qwen3.5: [q, k, v, z], [b, a])
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         self.conv_dim = 2 * keys + values
         h = arch.hidden_size
