@@ -68,11 +68,11 @@ def chunked_scan(x, dt, a, b, c, chunk: int):
     dt [seqs, T, heads] (already softplus'd), a [heads], b and c [seqs, T, heads, n]; all
     float32 -> (y [seqs, T, heads, p] without the D skip, final state [seqs, heads, p, n])."""
     seqs, length, heads, p = x.shape
-    pad = (chunk - length % chunk) % chunk
+    n = (length + chunk - 1) // chunk  # chunks: padded to n·chunk, never `-length % chunk`
 
-    def chunks(t):  # [seqs, T, ...] -> [seqs, chunks, chunk, ...], zero-padded
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(seqs, -1, chunk, *t.shape[2:])
+    def chunks(t):  # [seqs, T, ...] -> [seqs, n, chunk, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, n * chunk - length))
+        return t.reshape(seqs, n, chunk, *t.shape[2:])
     x, b, c = chunks(x * dt[..., None]), chunks(b), chunks(c)
     da = chunks(dt * a).permute(0, 3, 1, 2)                 # [seqs, heads, chunks, chunk]
     cum = da.cumsum(-1)
@@ -85,7 +85,7 @@ def chunked_scan(x, dt, a, b, c, chunk: int):
     across = torch.exp(segment_sum(F.pad(cum[..., -1], (1, 0))))  # [seqs, heads, c+1, c+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states[:, :-1], torch.exp(cum))
-    return y.reshape(seqs, -1, heads, p)[:, :length], states[:, -1]
+    return y.reshape(seqs, n * chunk, heads, p)[:, :length], states[:, -1]
 
 
 class Mamba2Mixer(nn.Module):
