@@ -21,9 +21,10 @@ and vLLM's `MambaMixer2` (vllm/model_executor/layers/mamba/mamba_mixer2.py) comp
 A prefill runs the scan in its chunked form (the state-space dual, as transformers'
 `mamba2_chunk_scan` and vLLM's `mamba_chunk_scan_combined`): within a chunk of `chunk_size`
 positions, y = (C·Bᵀ ∘ decay) · (dt·x), the decay exp of segment sums of dt·A; across chunks,
-the state carried chunk to chunk. Exact (float32) and free of Python loops over positions, so
-one compiled graph serves any prompt length. It starts from a zero state and writes its final
-conv and SSM states to each sequence's slot. A decode step is one step of the recurrence,
+the state carried chunk to chunk. Exact (float32) and free of Python loops over positions. A
+compiled prefill calls the scan as one opaque operator (`opaque_chunked_scan`), as vLLM's graph
+calls its mixer's, so one graph serves any prompt length and compiles in a third of the time.
+It starts from a zero state and writes its final conv and SSM states to each sequence's slot. A decode step is one step of the recurrence,
 reading and overwriting the slot in place.
 """
 from __future__ import annotations
@@ -86,6 +87,24 @@ def chunked_scan(x, dt, a, b, c, chunk: int):
     states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states[:, :-1], torch.exp(cum))
     return y.reshape(seqs, n * chunk, heads, p)[:, :length], states[:, -1]
+
+
+@torch.library.custom_op("kit::mamba2_chunked_scan", mutates_args=())
+def opaque_chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                        c: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_scan` as one operator, which a compiled prefill calls without tracing into it
+    (as vLLM's `vllm::mamba_mixer2`, one of the splitting ops of its CompilationConfig, keeps
+    the conv and the scan out of the graph Inductor compiles). Inductor's code for the scan at
+    a symbolic prompt length took most of tiny-mamba's prefill compile; the README gives the
+    times. Eager, it is `chunked_scan` itself."""
+    y, final = chunked_scan(x, dt, a, b, c, chunk)
+    return y.contiguous(), final.contiguous()
+
+
+@opaque_chunked_scan.register_fake
+def _(x, dt, a, b, c, chunk):
+    seqs, length, heads, p = x.shape
+    return x.new_empty(seqs, length, heads, p), x.new_empty(seqs, heads, p, b.shape[-1])
 
 
 class Mamba2Mixer(nn.Module):
@@ -156,7 +175,7 @@ class Mamba2Mixer(nn.Module):
                         padding=self.kernel - 1, groups=self.conv_dim)[..., :length]
         x, b, c = self.split_xbc(F.silu(conv).transpose(1, 2))
         dt = self.time_steps(dt)
-        y, final = chunked_scan(x, dt, -torch.exp(self.A_log.float()), b, c, self.chunk)
+        y, final = opaque_chunked_scan(x, dt, -torch.exp(self.A_log.float()), b, c, self.chunk)
         y = y + x * self.D.float()[:, None]
         if slots is not None:  # the last K - 1 inputs (zeros before the prompt) and the state
             tail = F.pad(xbc.transpose(1, 2), (self.kernel - 1, 0))[..., -(self.kernel - 1):]
