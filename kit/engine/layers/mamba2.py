@@ -23,9 +23,9 @@ A prefill runs the scan in its chunked form (the state-space dual, as transforme
 positions, y = (C·Bᵀ ∘ decay) · (dt·x), the decay exp of segment sums of dt·A; across chunks,
 the state carried chunk to chunk. Exact (float32) and free of Python loops over positions. A
 compiled prefill calls the scan as one opaque operator (`opaque_chunked_scan`), as vLLM's graph
-calls its mixer's, so one graph serves any prompt length and compiles in a third of the time.
-It starts from a zero state and writes its final conv and SSM states to each sequence's slot. A decode step is one step of the recurrence,
-reading and overwriting the slot in place.
+calls its mixer's: one graph serves any prompt length and compiles in a quarter of the time.
+It starts from a zero state and writes its final conv and SSM states to each sequence's slot.
+A decode step is one step of the recurrence, reading and overwriting the slot in place.
 """
 from __future__ import annotations
 
