@@ -13,7 +13,7 @@ from kit.config.settings import check_runnable
 from kit.engine.decode import (batch_for_run, check_against_no_cache, generate, make_prompts,
                                step_function)
 from kit.engine.kv_cache import KVCacheLayout
-from kit.engine.layers.mamba2 import chunked_scan
+from kit.engine.layers.mamba2 import chunked_scan, opaque_chunked_scan
 from kit.engine.model import build_model
 from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
@@ -107,6 +107,40 @@ def test_chunked_scan_is_the_recurrence():
     assert torch.allclose(final, h, atol=1e-5)
 
 
+def test_the_opaque_scan_is_the_chunked_scan_and_compiles_as_one_call():
+    """The operator a compiled prefill calls (`opaque_chunked_scan`) gives `chunked_scan`'s
+    exact results, its shapes agree with its fake (`torch.library.opcheck`), and a function
+    compiled with the length symbolic holds one call to it, nothing of the scan inside, and
+    serves lengths that are and are not multiples of the chunk without compiling again."""
+    gen = torch.Generator().manual_seed(0)
+    heads, p, n = 3, 4, 5
+
+    def inputs(length):
+        x, b, c = (torch.randn(2, length, heads, d, generator=gen) for d in (p, n, n))
+        a = -torch.rand(heads, generator=gen) - 0.5
+        return x, torch.rand(2, length, heads, generator=gen), a, b, c
+    args = inputs(11)
+    for got, want in zip(opaque_chunked_scan(*args, 4), chunked_scan(*args, 4)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(opaque_chunked_scan, (*args, 4))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return gm
+    scan = torch.compile(lambda *t: opaque_chunked_scan(*t, 4), backend=backend, fullgraph=True)
+    for length in (11, 8, 13):
+        args = inputs(length)
+        if length == 11:  # the prompt length symbolic, as in the CPU's compiled prefill
+            for t in (args[0], args[1], args[3], args[4]):
+                torch._dynamo.mark_dynamic(t, 1)
+        for got, want in zip(scan(*args), chunked_scan(*args, 4)):
+            assert torch.equal(got, want)
+    assert len(graphs) == 1
+    assert graphs[0].count(torch.ops.kit.mamba2_chunked_scan.default) == 1, graphs[0]
+    assert len(graphs[0]) <= 3, graphs[0]  # the call and the two outputs' getitems
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_logits_match_transformers(tmp_path, case):
     folder = granite_checkpoint(tmp_path, case)
@@ -125,7 +159,7 @@ def test_prefill_logits_match_transformers(tmp_path, case):
 
 @pytest.mark.parametrize("case,strategy", [
     ("granite-nope", "eager"), ("granite-rope-scaled", "eager"), ("nemotron-dense", "eager"),
-    pytest.param("granite-nope", "guard_free", marks=pytest.mark.slow)])  # compiles: ~50 s
+    pytest.param("granite-nope", "guard_free", marks=pytest.mark.slow)])  # compiles: ~40 s
 def test_every_paged_decode_step_matches_transformers_and_the_no_cache_reference(
         tmp_path, case, strategy):
     """Prompts of 5, 8 and 11 tokens (11: two Mamba chunks), 6 greedy steps: every step's

@@ -21,10 +21,11 @@ and vLLM's `MambaMixer2` (vllm/model_executor/layers/mamba/mamba_mixer2.py) comp
 A prefill runs the scan in its chunked form (the state-space dual, as transformers'
 `mamba2_chunk_scan` and vLLM's `mamba_chunk_scan_combined`): within a chunk of `chunk_size`
 positions, y = (C·Bᵀ ∘ decay) · (dt·x), the decay exp of segment sums of dt·A; across chunks,
-the state carried chunk to chunk. Exact (float32) and free of Python loops over positions, so
-one compiled graph serves any prompt length. It starts from a zero state and writes its final
-conv and SSM states to each sequence's slot. A decode step is one step of the recurrence,
-reading and overwriting the slot in place.
+the state carried chunk to chunk. Exact (float32) and free of Python loops over positions. A
+compiled prefill calls the scan as one opaque operator (`opaque_chunked_scan`), as vLLM's graph
+calls its mixer's: one graph serves any prompt length and compiles in a quarter of the time.
+It starts from a zero state and writes its final conv and SSM states to each sequence's slot.
+A decode step is one step of the recurrence, reading and overwriting the slot in place.
 """
 from __future__ import annotations
 
@@ -68,11 +69,11 @@ def chunked_scan(x, dt, a, b, c, chunk: int):
     dt [seqs, T, heads] (already softplus'd), a [heads], b and c [seqs, T, heads, n]; all
     float32 -> (y [seqs, T, heads, p] without the D skip, final state [seqs, heads, p, n])."""
     seqs, length, heads, p = x.shape
-    pad = (chunk - length % chunk) % chunk
+    n = (length + chunk - 1) // chunk  # chunks: padded to n·chunk, never `-length % chunk`
 
-    def chunks(t):  # [seqs, T, ...] -> [seqs, chunks, chunk, ...], zero-padded
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
-        return t.reshape(seqs, -1, chunk, *t.shape[2:])
+    def chunks(t):  # [seqs, T, ...] -> [seqs, n, chunk, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, n * chunk - length))
+        return t.reshape(seqs, n, chunk, *t.shape[2:])
     x, b, c = chunks(x * dt[..., None]), chunks(b), chunks(c)
     da = chunks(dt * a).permute(0, 3, 1, 2)                 # [seqs, heads, chunks, chunk]
     cum = da.cumsum(-1)
@@ -85,7 +86,25 @@ def chunked_scan(x, dt, a, b, c, chunk: int):
     across = torch.exp(segment_sum(F.pad(cum[..., -1], (1, 0))))  # [seqs, heads, c+1, c+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
     y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", c, states[:, :-1], torch.exp(cum))
-    return y.reshape(seqs, -1, heads, p)[:, :length], states[:, -1]
+    return y.reshape(seqs, n * chunk, heads, p)[:, :length], states[:, -1]
+
+
+@torch.library.custom_op("kit::mamba2_chunked_scan", mutates_args=())
+def opaque_chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                        c: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_scan` as one operator, which a compiled prefill calls without tracing into it
+    (as vLLM's `vllm::mamba_mixer2`, one of the splitting ops of its CompilationConfig, keeps
+    the conv and the scan out of the graph Inductor compiles). Inductor's code for the scan at
+    a symbolic prompt length took most of tiny-mamba's prefill compile; the README gives the
+    times. Eager, it is `chunked_scan` itself."""
+    y, final = chunked_scan(x, dt, a, b, c, chunk)
+    return y.contiguous(), final.contiguous()
+
+
+@opaque_chunked_scan.register_fake
+def _(x, dt, a, b, c, chunk):
+    seqs, length, heads, p = x.shape
+    return x.new_empty(seqs, length, heads, p), x.new_empty(seqs, heads, p, b.shape[-1])
 
 
 class Mamba2Mixer(nn.Module):
@@ -156,7 +175,7 @@ class Mamba2Mixer(nn.Module):
                         padding=self.kernel - 1, groups=self.conv_dim)[..., :length]
         x, b, c = self.split_xbc(F.silu(conv).transpose(1, 2))
         dt = self.time_steps(dt)
-        y, final = chunked_scan(x, dt, -torch.exp(self.A_log.float()), b, c, self.chunk)
+        y, final = opaque_chunked_scan(x, dt, -torch.exp(self.A_log.float()), b, c, self.chunk)
         y = y + x * self.D.float()[:, None]
         if slots is not None:  # the last K - 1 inputs (zeros before the prompt) and the state
             tail = F.pad(xbc.transpose(1, 2), (self.kernel - 1, 0))[..., -(self.kernel - 1):]
