@@ -83,6 +83,43 @@ def test_both_forms_of_the_recurrence_match_transformers():
     assert relative(gated_delta.chunked_delta_rule(qn, kn, v, g, beta)[0], zero_out) < TOL
 
 
+def test_the_opaque_rule_is_the_chunked_rule_and_compiles_as_one_call():
+    """The operator a compiled prefill calls (`opaque_chunked_delta_rule`) gives
+    `chunked_delta_rule`'s exact results, its shapes agree with its fake
+    (`torch.library.opcheck`), and a function compiled with the length symbolic holds one call
+    to it and serves 1, 2 and 4 chunks without compiling again (traced, the loop over chunks
+    fixed their number: a guard-free prefill compiled on 64 tokens failed on 70)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(length):
+        q, k = (gated_delta.l2_normalize(torch.randn(2, length, 4, 8, generator=gen))
+                for _ in range(2))
+        v = torch.randn(2, length, 4, 6, generator=gen)
+        g = -torch.rand(2, length, 4, generator=gen)
+        return q, k, v, g, torch.rand(2, length, 4, generator=gen)
+    args = inputs(7)
+    for got, want in zip(gated_delta.opaque_chunked_delta_rule(*args, 4),
+                         gated_delta.chunked_delta_rule(*args, 4)):
+        assert torch.equal(got, want)
+    torch.library.opcheck(gated_delta.opaque_chunked_delta_rule, (*args, 4))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        return gm
+    rule = torch.compile(lambda *t: gated_delta.opaque_chunked_delta_rule(*t, 4),
+                         backend=backend, fullgraph=True)
+    for length in (3, 8, 13):
+        args = inputs(length)
+        if length == 3:  # the prompt length symbolic, as in the CPU's compiled prefill
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 1)
+        for got, want in zip(rule(*args), gated_delta.chunked_delta_rule(*args, 4)):
+            assert torch.equal(got, want)
+    assert len(graphs) == 1
+    assert graphs[0].count(torch.ops.kit.chunked_delta_rule.default) == 1, graphs[0]
+
+
 def kit_delta_net(config, arch, layer: hf.Qwen3NextGatedDeltaNet) -> gated_delta.GatedDeltaNet:
     net = gated_delta.GatedDeltaNet(arch)
     with torch.no_grad():

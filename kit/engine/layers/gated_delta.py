@@ -21,7 +21,8 @@ per token (vLLM's `MambaSpec`, `kit.config.cache_kinds.Recurrent`).
                   out = S q
     output    RMSNorm(out) × its weight × SiLU(z) per value head (`HeadGatedNorm`), out_proj
 
-A prefill runs the recurrence by chunks of 64 tokens (`chunked_delta_rule`: transformers'
+A prefill runs the recurrence by chunks of 64 tokens (`chunked_delta_rule`, one opaque operator
+in compiled code: `opaque_chunked_delta_rule`; transformers'
 `torch_chunk_gated_delta_rule`, the arithmetic of vLLM's `chunk_gated_delta_rule` kernels):
 within a chunk the updates are condensed into a triangular solve and a few matrix products,
 across chunks the state is carried. A decode step runs it once (`delta_rule`: transformers'
@@ -95,9 +96,10 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     value_dim, dtype = v.shape[-1], v.dtype
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))
     q = q * key_dim ** -0.5
-    pad = -length % chunk
-    q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)).unflatten(2, (-1, chunk)) for t in (g, beta))
+    n = (length + chunk - 1) // chunk  # chunks: padded to n·chunk, never `-length % chunk`
+    pad = n * chunk - length
+    q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (n, chunk)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)).unflatten(2, (n, chunk)) for t in (g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     c = g.cumsum(-1)
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
@@ -112,13 +114,33 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int = 64, state: torch.Tensor | 
     s = q.new_zeros(seqs, heads, key_dim, value_dim) if state is None \
         else state.float().transpose(-1, -2)
     outs = []
-    for i in range(q.shape[2]):
+    for i in range(n):
         corrections = u[:, :, i] - w[:, :, i] @ s
         outs.append(q_decayed[:, :, i] @ s + within[:, :, i] @ corrections)
         s = s * c[:, :, i, -1, None, None].exp() + k_decayed[:, :, i].transpose(-1, -2) \
             @ corrections
     out = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :length]
     return out.transpose(1, 2).to(dtype), s.transpose(-1, -2)
+
+
+@torch.library.custom_op("kit::chunked_delta_rule", mutates_args=())
+def opaque_chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_delta_rule` from zero states as one operator, which a compiled prefill calls
+    without tracing into it (as vLLM's graph calls its delta-net, `vllm::qwen_gdn_attention_core`,
+    one of its CompilationConfig's splitting ops). Traced, its Python loop over chunks fixed
+    the number of chunks in the graph (a guard-free prefill compiled on prompts of up to 64
+    tokens failed on 70), and the symbolic padding slowed the compile; eager, it is
+    `chunked_delta_rule` itself."""
+    out, state = chunked_delta_rule(q, k, v, g, beta, chunk)
+    return out.contiguous(), state.contiguous()
+
+
+@opaque_chunked_delta_rule.register_fake
+def _(q, k, v, g, beta, chunk):
+    seqs, length, heads, value_dim = v.shape
+    return v.new_empty(seqs, length, heads, value_dim), \
+        v.new_empty(seqs, heads, value_dim, k.shape[-1], dtype=torch.float32)
 
 
 class HeadGatedNorm(nn.Module):
@@ -235,7 +257,7 @@ class GatedDeltaNet(nn.Module):
                                             self.conv1d[:, 0])
         q, k, v, g, beta = self.heads(convolved, b.view(*per_seq, self.value_heads),
                                       a.view(*per_seq, self.value_heads))
-        out, state = chunked_delta_rule(q, k, v, g, beta)
+        out, state = opaque_chunked_delta_rule(q, k, v, g, beta, 64)
         return self.output(out.flatten(0, 1), z), conv_state, state
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor):
