@@ -67,11 +67,14 @@ def pages_of(cache: torch.Tensor, layout) -> torch.Tensor:
     num_blocks = cache.shape[1] if cache.dim() == 4 else cache.shape[2]
     shape = (layout.group_size, num_blocks, layout.page_size_bytes)
     storage = cache.untyped_storage()
-    if storage.nbytes() != math.prod(shape):
-        raise ValueError(f"this cache does not hold {shape} pages: a hybrid's cache must be "
+    pages = torch.empty(0, dtype=torch.uint8, device=cache.device)
+    if storage.nbytes() == math.prod(shape):
+        pages = pages.set_(storage).view(shape)
+    if pages.dim() == 1 or attention_view(pages, layout, cache.dtype).stride() != cache.stride():
+        raise ValueError(f"this cache is not a view of {shape} pages: a hybrid's cache must be "
                          "allocated by kit.engine.kv_cache.allocate, so its states live in "
                          "its pages")
-    return torch.empty(0, dtype=torch.uint8, device=cache.device).set_(storage).view(shape)
+    return pages
 
 
 def state_views(pages: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, torch.Tensor]:
