@@ -10,9 +10,9 @@ one after another, block_stride = page), and a recurrent layer splits each block
 its states at byte offsets, conv first then ssm, each in its dtype
 (vllm/model_executor/layers/mamba/abstract.py, `MambaBase.bind_kv_cache`); the rest of the
 page is the padding that makes a state's page the attention page
-(`kit.engine.hybrid_cache.align_hybrid`). The kit does the same, with one buffer per place
-in the widest group (a block id belongs to one group at a time, so the layers sharing a
-place never meet):
+(`kit.engine.hybrid_cache.align_hybrid`). The kit does the same, in one buffer with a row of
+pages per place in the widest group (vLLM's `KVCacheTensor`s; a block id belongs to one group
+at a time, so the layers sharing a place never meet):
 
     pages     [places, num_blocks, page bytes]                       uint8
     attention [places, num_blocks, 2, block_size, kv heads, head_dim] cache dtype, permuted to
@@ -20,11 +20,14 @@ place never meet):
     conv      [places, num_blocks, conv_dim, conv_kernel - 1]         at byte 0 of a page
     ssm       [places, num_blocks, heads, head_dim, d_state]          after conv
 
-Within a page the kit keeps all of K, then all of V ([2, block_size, heads, dim]: a block's
-K and V together, as vLLM's FlashAttention pages were before 0.32's layouts), where vLLM
-0.32's CPU attention interleaves them per head and token ([heads, tokens, K|V]); the bytes
-per page, and so every count, are the same. Models without states keep one contiguous tensor
-(`kit.engine.kv_cache.allocate`).
+Within a page the kit keeps all of K, then all of V ([2, block_size, heads, dim], as vLLM's
+GPU runner laid a hybrid's attention out before 0.32: `_update_hybrid_attention_mamba_layout`),
+where vLLM 0.32's CPU attention interleaves them per head and token ([heads, tokens, K|V]);
+the bytes per page, and so every count, are the same. Bytes no token wrote (a block's unused
+positions, which may hold the state of the block's last owner) are never used: attention
+masks them, values included (`paged_decode_attention`'s zero_masked), and a recurrent layer
+reads a slot only after its prefill wrote it. Models without states keep one contiguous
+tensor (`kit.engine.kv_cache.allocate`).
 """
 from __future__ import annotations
 
@@ -87,7 +90,8 @@ def state_views(pages: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, tor
     (AOTAutograd's synthetic base) copies the whole buffer several times a step. It need not
     know: the bytes one forward touches through the attention view and through the states
     never overlap, since a block id belongs to one group at a time (vLLM's kernels, opaque
-    to its compiler, rely on the same)."""
+    to its compiler, rely on the same). Written through them, the states must be written
+    whole-tensor (`kit.engine.layers.state_slots.write_state`)."""
     views, offset = [], 0
     for shape, name in zip(spec.shapes, spec.dtypes):
         dtype = STATE_DTYPES[name]
