@@ -163,8 +163,8 @@ class PagedBatch:
             torch.full_like(self.block_tables, NULL_BLOCK, device="cpu")
         self.tables_changed = False
         self.allocator, self.held = None, []
-        # a hybrid's recurrent states, a slot per block id (kit.engine.layers.state_slots)
-        self.states = allocate_states(layout, cache_blocks(kv_cache)[0], device)
+        # a hybrid's recurrent states, in its cache's pages (kit.engine.layers.state_slots)
+        self.states = allocate_states(layout, kv_cache)
         self.state_args = () if self.states is None else (self.states,)
 
     def step_args(self) -> tuple:

@@ -228,8 +228,8 @@ class KVCacheLayout:
 
     @property
     def attention_groups(self) -> tuple[KVCacheGroup, ...]:
-        """The groups whose pages hold tokens (a hybrid's recurrent states are kept apart in
-        a run: `kit.engine.layers.state_slots`)."""
+        """The groups whose pages hold tokens (a hybrid's recurrent groups' pages hold a
+        state each: `kit.engine.hybrid_pages`)."""
         return tuple(g for g in self.groups if not isinstance(g.spec, MambaSpec))
 
     @property
@@ -239,8 +239,8 @@ class KVCacheLayout:
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
-        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j (a hybrid's recurrent
-        layers keep their states beside it: `kit.engine.layers.state_slots`). Latent attention keeps
+        num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j (a hybrid's is a view of
+        pages that hold its recurrent states too: `kit.engine.hybrid_pages`). Latent attention keeps
         one latent per token and no K/V pair: [group size, num_blocks, block_size,
         kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Layers
         whose heads differ (Gemma 4's full layers) read and write the same bytes per token in
@@ -394,8 +394,14 @@ def torch_cache_dtype(layout: KVCacheLayout):
 def allocate(layout: KVCacheLayout, num_blocks: int, device: str):
     """The cache as vLLM allocates it: one [2, num_blocks, ...] tensor per place in the widest
     KV cache group (vLLM's `KVCacheTensor`s), each shared by one layer of every group
-    (`KVCacheLayout.tensor_shape`). With one group, that is one tensor per layer."""
+    (`KVCacheLayout.tensor_shape`). With one group, that is one tensor per layer. A hybrid's
+    is a view of one buffer of pages that holds its recurrent states too
+    (`kit.engine.hybrid_pages`): the same shape, block-major in memory, exactly
+    num_blocks × page × places bytes."""
     import torch
+    if layout.has_states:
+        from kit.engine.hybrid_pages import allocate_pages
+        return allocate_pages(layout, num_blocks, device, torch_cache_dtype(layout))
     return torch.zeros(layout.tensor_shape(num_blocks), dtype=torch_cache_dtype(layout),
                        device=device)
 

@@ -134,7 +134,8 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            max_context_len: int | None = None, scale: float | None = None,
                            window: int | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None, chunk: int | None = None):
+                           sinks: torch.Tensor | None = None, chunk: int | None = None,
+                           zero_masked: bool = False):
     """One query token per sequence ([seqs, heads, head_dim]) against its cached context.
 
     Keys and values are gathered through the block table, the first `max_context_len`
@@ -148,6 +149,10 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     scores are
     scaled by `scale` (default head_dim^-1/2) and capped by `softcap`; the softmax runs in
     float32, with each head's sink logit (`sinks` [heads], gpt-oss) in its denominator.
+    `zero_masked`: the values at masked positions are zeroed first, for a hybrid, whose pages
+    hold bytes no token wrote there (a recurrent state's, where the block held one before; as
+    values they may be NaN, and a weight of 0 times NaN is NaN). vLLM's kernels read only
+    the positions of each context.
     """
     num_seqs, width = block_tables.shape
     block_size, head_dim = layer_cache.shape[2], q.shape[-1]
@@ -165,6 +170,8 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     visible = pos[:, :length] < context_lens[:, None]
     if first is not None:
         visible = visible & (pos[:, :length] >= first[:, None])
+    if zero_masked:
+        v = torch.where(visible[:, :, None, None], v, 0)
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, per_kv_head, len,
     # dim] (the queries of one KV head side by side), which Inductor turns into one kernel that
@@ -228,6 +235,7 @@ class Attention(nn.Module):
         # its KV cache group (whose block table it reads) and its slice of the cache: set from
         # the run's layout by `bind_kv_cache`
         self.kv_group = self.cache_slice = None
+        self.zero_masked = False
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.layer_kv_heads(layer_idx)  # Gemma 4's full layers: their own
         self.head_dim = arch.layer_head_dim(layer_idx)
@@ -301,14 +309,17 @@ class Attention(nn.Module):
             return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
                                           meta.block_tables[self.kv_group], meta.context_lens,
                                           meta.max_context_len, self.scale, self.window,
-                                          self.softcap, self.sinks)
+                                          self.softcap, self.sinks,
+                                          zero_masked=self.zero_masked)
         k, v = handed_on[self.kv_source]
         return self.attend(q, k, v, num_seqs)
 
     def bind_kv_cache(self, layout) -> None:
         """Take this layer's KV cache group and cache slice from `layout` (a
-        `kit.engine.kv_cache.KVCacheLayout`): plain numbers, constants to compiled code."""
+        `kit.engine.kv_cache.KVCacheLayout`), and whether its pages hold recurrent states too
+        (`paged_decode_attention`'s zero_masked): plain values, constants to compiled code."""
         self.kv_group, self.cache_slice = layout.place(self.layer_idx)
+        self.zero_masked = layout.has_states
 
     def attend(self, q, k, v, num_seqs: int, meta: AttentionMetadata | None = None):
         """Causal attention within each of `num_seqs` equal-length sequences, over the layer's
@@ -325,7 +336,7 @@ class Attention(nn.Module):
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap,
-                                              self.sinks, self.chunk)
+                                              self.sinks, self.chunk, self.zero_masked)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kit.engine.layers.linear import Linear
-from kit.engine.layers.state_slots import state_slots
+from kit.engine.layers.state_slots import state_slots, write_state
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -209,8 +209,8 @@ class GatedDeltaNet(nn.Module):
             out = self.step(x, conv_state, state)
         else:
             out, conv_state, state = self.prefill(x, num_seqs)
-        conv.index_copy_(0, slots, conv_state.to(conv.dtype))
-        ssm.index_copy_(0, slots, state.to(ssm.dtype))
+        write_state(meta.states.conv, self.place, slots, conv_state)
+        write_state(meta.states.ssm, self.place, slots, state)
         return out
 
     def project(self, x: torch.Tensor):

@@ -36,7 +36,7 @@ from torch import nn
 from kit.config import ModelConfig
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.norm import RMSNorm
-from kit.engine.layers.state_slots import state_slots
+from kit.engine.layers.state_slots import state_slots, write_state
 
 
 class GatedRMSNorm(RMSNorm):
@@ -179,8 +179,8 @@ class Mamba2Mixer(nn.Module):
         y = y + x * self.D.float()[:, None]
         if slots is not None:  # the last K - 1 inputs (zeros before the prompt) and the state
             tail = F.pad(xbc.transpose(1, 2), (self.kernel - 1, 0))[..., -(self.kernel - 1):]
-            states.conv[self.place].index_copy_(0, slots, tail.to(states.conv.dtype))
-            states.ssm[self.place].index_copy_(0, slots, final.to(states.ssm.dtype))
+            write_state(states.conv, self.place, slots, tail)
+            write_state(states.ssm, self.place, slots, final)
         return y.to(xbc.dtype)
 
     def decode(self, xbc, dt, states, slots):
@@ -188,7 +188,7 @@ class Mamba2Mixer(nn.Module):
         each sequence's slot, which it overwrites."""
         conv_state, ssm_state = states.conv[self.place], states.ssm[self.place]
         window = torch.cat([conv_state[slots].to(xbc.dtype), xbc[..., None]], -1)
-        conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
+        write_state(states.conv, self.place, slots, window[..., 1:])
         w = self.conv1d.weight[:, 0]
         conv = (window.float() * w.float()).sum(-1)
         if self.conv1d.bias is not None:
@@ -198,6 +198,6 @@ class Mamba2Mixer(nn.Module):
         decay = torch.exp(dt * -torch.exp(self.A_log.float()))     # [seqs, heads]
         h = ssm_state[slots].float() * decay[..., None, None] + \
             (dt[..., None] * x)[..., None] * b[:, :, None, :]
-        ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+        write_state(states.ssm, self.place, slots, h)
         y = (h * c[:, :, None, :]).sum(-1) + x * self.D.float()[:, None]
         return y.reshape(xbc.shape[0], self.inner).to(xbc.dtype)

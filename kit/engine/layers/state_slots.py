@@ -8,18 +8,21 @@ state [heads, head_dim, d_state]. vLLM keeps it in one block of the layer's KV c
 and its kernels find it through that group's block table, column 0 (`state_indices_tensor` in
 vllm/v1/attention/backends/mamba2_attn.py). The kit does the same bookkeeping (the block
 manager gives a recurrent group one block per sequence: `MambaSpec.blocks_for_tokens`), so a
-state's slot is that block's id; the state's tensors live beside the paged KV cache, not inside
-its pages (vLLM views the same bytes both ways, in the layer's dtypes; the kit's cache tensor
-is one dtype), with a row per block id and, as the cache, one tensor per place in the widest
-group (a block id belongs to one group at a time, so layers sharing a place never meet):
+state's slot is that block's id, and the state lives inside that block's page of the paged KV
+cache, as in vLLM: the cache is one buffer of pages (`kit.engine.hybrid_pages`), viewed by the
+attention layers as keys and values and by the recurrent layers, at byte offsets within each
+page, as their states in their own dtypes (conv first, then ssm; the rest is padding), with a
+row per block id and, as the cache's, a row of pages per place in the widest group (a block id
+belongs to one group at a time, so layers sharing a place never meet):
 
     conv [places, num_blocks, conv_dim, conv_kernel - 1]      (dtypes: `MambaSpec.dtypes`)
-    ssm  [places, num_blocks, heads, head_dim, d_state]
+    ssm  [places, num_blocks, heads, head_dim, d_state]       (strided: a page apart per block)
 
-Allocated once per batch (`allocate_states`) and handed to every forward inside
-`AttentionMetadata.states`; a prefill starts each sequence from a zero state and writes its
-final state to the slot (never reading it), a decode step reads and overwrites it in place, so
-compiled code and CUDA graphs see the same tensors every step.
+Viewed once per batch (`allocate_states`, from the cache `kit.engine.kv_cache.allocate` made)
+and handed to every forward inside `AttentionMetadata.states`; a prefill starts each sequence
+from a zero state and writes its final state to the slot (never reading it), a decode step
+reads and overwrites it in place, so compiled code and CUDA graphs see the same tensors every
+step. The cache's measured memory is the states' too.
 """
 from __future__ import annotations
 
@@ -27,9 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from kit.engine.hybrid_pages import pages_of, state_views
 from kit.engine.kv_specs import MambaSpec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RecurrentStates(NamedTuple):
@@ -44,17 +46,14 @@ def state_group_spec(layout) -> MambaSpec | None:
     return next((g.spec for g in layout.groups if isinstance(g.spec, MambaSpec)), None)
 
 
-def allocate_states(layout, num_blocks: int, device) -> RecurrentStates | None:
-    """Zeroed states for a cache of `num_blocks` blocks of `layout` (a
-    `kit.engine.kv_cache.KVCacheLayout`), None for a layout without recurrent layers."""
+def allocate_states(layout, kv_cache: torch.Tensor) -> RecurrentStates | None:
+    """The states inside the pages of `kv_cache` (made for `layout`, a
+    `kit.engine.kv_cache.KVCacheLayout`, by `kit.engine.kv_cache.allocate`), None for a
+    layout without recurrent layers."""
     spec = state_group_spec(layout)
     if spec is None:
         return None
-    places = layout.group_size
-    (conv_shape, ssm_shape), (conv_dtype, ssm_dtype) = spec.shapes, spec.dtypes
-    return RecurrentStates(
-        torch.zeros((places, num_blocks, *conv_shape), dtype=DTYPES[conv_dtype], device=device),
-        torch.zeros((places, num_blocks, *ssm_shape), dtype=DTYPES[ssm_dtype], device=device))
+    return RecurrentStates(*state_views(pages_of(kv_cache, layout), spec))
 
 
 def state_slots(meta, group: int, block_size: int, num_seqs: int) -> torch.Tensor:
@@ -64,3 +63,16 @@ def state_slots(meta, group: int, block_size: int, num_seqs: int) -> torch.Tenso
     if meta.block_tables is not None:
         return meta.block_tables[group][:, 0]
     return meta.slot_mapping[group].view(num_seqs, -1)[:, 0] // block_size
+
+
+def write_state(states: torch.Tensor, place: int, slots: torch.Tensor,
+                value: torch.Tensor) -> None:
+    """Store `value` [seqs, ...] at `slots` of place `place` of one of the states' tensors
+    (`RecurrentStates.conv` or `.ssm`), in its dtype.
+
+    One `index_put_` on the whole tensor, indexed by (place, slot): compiled, an in-place
+    scatter of just these rows. Written through a view (`states[place].index_copy_`),
+    Inductor copied the states of every block out and back in on every call (it rewrites
+    such a write in place only for dense tensors; the states are strided views of the pages),
+    and the copy back overwrote keys and values the attention layers had written meanwhile."""
+    states.index_put_((torch.full_like(slots, place), slots), value.to(states.dtype))
