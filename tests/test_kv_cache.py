@@ -185,6 +185,22 @@ def test_the_block_manager_counts_the_concurrency_the_formula_divides():
         assert int(config.max_concurrency) - admitted == (blocks % 63 == 0)
 
 
+@pytest.mark.parametrize("model", ["tiny-mamba", "tiny-gdn"])
+def test_a_hybrids_block_manager_admits_vllms_concurrency_without_prefix_caching(model):
+    """The manager keeps one state a request (mamba_cache_mode "none"): it admits what vLLM's
+    line says with prefix caching off, more than its default line ("align": 2-3 states)."""
+    from kit.studies.block_tables_by_step import windowed_example
+    from kit.studies.kv_cache_sizing import block_manager_config, requests_that_fit
+    settings = load("cpu-small", model=model)
+    default = kv_cache_config(KVCacheLayout.for_settings(settings), 2**26,
+                              settings.max_model_len, "CPU")
+    run = block_manager_config(default, settings)
+    assert run.num_blocks == default.num_blocks and run.max_concurrency > default.max_concurrency
+    null_short = run.num_blocks % run.blocks_per_request == 0
+    assert requests_that_fit(run) == int(run.max_concurrency) - null_short
+    assert windowed_example(settings.arch).family == "llama"  # no windows on recurrent layers
+
+
 def test_windowed_caches_on_the_cpu_take_vllms_32_token_blocks():
     """vLLM's CPU attention gives window layers blocks in multiples of 32, and the whole cache
     is then sized at that block; full-attention models and CUDA keep block_size."""

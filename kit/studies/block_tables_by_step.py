@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kit.config import ModelConfig
+from kit.config import ModelConfig, with_layer_pattern
 from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables, StepBlocks
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.kv_groups import KVCacheGroup
@@ -89,3 +89,12 @@ def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = Non
         watched = [tables.allocate_slots(seq, 1) for seq in range(batch_size)][0]
         steps.append(_record(tables, step, watched))
     return TableSteps(arch.name, groups, block_size, num_blocks, prompts, tuple(steps))
+
+
+def windowed_example(arch: ModelConfig, window: int = 20) -> ModelConfig:
+    """`arch` with every second layer sliding over `window` tokens, the chapter's example of
+    groups handing back blocks; a model whose layers are not all attention (latent attention,
+    a hybrid's recurrent layers: `Parts.sized_only`) takes no window pattern, so the default
+    preset's model (`tiny`) stands in for it."""
+    return with_layer_pattern(ModelConfig.load("tiny") if arch.parts.sized_only else arch, 2,
+                              window)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig, Settings, reference, with_layer_pattern
 from kit.engine.block_manager import GroupedBlockTables, OutOfBlocks
@@ -48,6 +48,16 @@ def requests_that_fit(config: KVCacheConfig) -> int:
             held += 1
     except OutOfBlocks:
         return held
+
+
+def block_manager_config(config: KVCacheConfig, settings: Settings) -> KVCacheConfig:
+    """The config the kit's block manager runs: `config` itself, or for a hybrid the one vLLM
+    derives with prefix caching off. The manager keeps one state per request there
+    (`mamba_cache_mode` "none"), where vLLM's default ("align") reserves two or three and so
+    states a lower concurrency than the blocks admit."""
+    if not config.layout.has_states:
+        return config
+    return replace(config, layout=KVCacheLayout.for_settings(settings, prefix_caching=False))
 
 
 def concurrency_by_length(arch: ModelConfig, budget_bytes: int, lengths: list[int], *,
