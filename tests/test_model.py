@@ -416,15 +416,17 @@ def test_chunked_local_prefill_sees_only_each_querys_chunk(chunk, max_score_byte
         torch.testing.assert_close(whole[:, :, p:p + 1], weights @ vv[:, :, first:p + 1])
 
 
-def test_compiled_decode_gathers_small_or_16_bit_experts_and_multiplies_large_float32_ones():
-    """On the CPU a float32 expert over GATHER_MAX_EXPERT_BYTES streams faster as one product
-    per expert than in Inductor's gathered loop; a small one, or any in bf16, gathers; more
-    pairs than experts (a prefill) never does."""
+def test_compiled_decode_gathers_small_experts_and_multiplies_large_ones():
+    """On the CPU an expert over GATHER_MAX_EXPERT_BYTES (4 MiB in float32, 16 MiB in bf16)
+    streams faster as one product per expert than in Inductor's gathered loop; a small one
+    gathers; more pairs than experts (a prefill) never does."""
     import dataclasses
     from kit.engine.layers.experts import GATHER_MAX_EXPERT_BYTES, Experts
     base = small("qwen3_moe")
     big = dataclasses.replace(base, num_experts=2, hidden_size=1024, moe_intermediate_size=512)
-    assert 3 * 1024 * 512 * 4 > GATHER_MAX_EXPERT_BYTES >= 3 * 1024 * 512 * 2
+    assert 3 * 1024 * 512 * 4 > GATHER_MAX_EXPERT_BYTES[4] >= 3 * 1024 * 512 * 2
     assert Experts(base).gathers(4) and not Experts(base).gathers(5)
     assert not Experts(big).gathers(2)
-    assert Experts(big).to(torch.bfloat16).gathers(2)
+    assert Experts(big).to(torch.bfloat16).gathers(2)  # 3 MiB in bf16
+    huge = dataclasses.replace(big, hidden_size=2880, moe_intermediate_size=2880)  # gpt-oss's
+    assert not Experts(huge).to(torch.bfloat16).gathers(2)  # 47 MiB

@@ -71,13 +71,14 @@ def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False,
 ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax,  # `Parts.experts` -> router
          "topk_sigmoid": route_topk_sigmoid}
 
-# The largest float32 expert (its matrices' bytes) a compiled decode step on the CPU multiplies
-# in one generated loop (`gathered_products`) rather than a product per expert (`grouped_mm`).
-# Measured on a quiet 2-core AVX-512 CPU, one layer at batch 4-8: the loop is faster up to 3 MB
-# (0.59 against 0.99 ms at 0.8 MB), the products from 6 MB (16.3 against 22.2 ms; Qwen3-30B-
-# A3B's 19 MB: 48 against 63 ms). In bf16 the loop was faster at every size (Qwen3's 9 MB:
-# 41 against 50 ms): oneDNN's products of one row stream bf16 at about 10 GB/s.
-GATHER_MAX_EXPERT_BYTES = 4 * 2**20
+# The largest expert (its matrices' bytes) a compiled decode step on the CPU multiplies in one
+# generated loop (`gathered_products`) rather than a product per expert (`grouped_mm`), by the
+# weights' element size. Measured on a quiet 2-core AVX-512 CPU, one layer at batch 4-8: in
+# float32 the loop is faster up to 3 MB (0.59 against 0.99 ms at 0.8 MB), the products from
+# 6 MB (16.3 against 22.2 ms; Qwen3-30B-A3B's 19 MB: 48 against 63 ms). In bf16 the loop is
+# faster at Qwen3's 9 MB (41 against 50 ms), slower at gpt-oss-20b's 50 MB (the whole step 201
+# against eager's 134 ms, `kit bench vllm`): 16-bit experts up to 16 MB.
+GATHER_MAX_EXPERT_BYTES = {4: 4 * 2**20, 2: 16 * 2**20}
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
 
@@ -214,14 +215,15 @@ class Experts(nn.Module):
 
     def gathers(self, pairs: int) -> bool:
         """Whether compiled code runs `pairs` (token, expert) pairs as `gathered_products`: a
-        decode step's, no more pairs than experts; on the CPU in float32 only for experts of
-        at most `GATHER_MAX_EXPERT_BYTES`, past which a product per expert (MKL) streams the
+        decode step's, no more pairs than experts; on the CPU only for experts of at most
+        `GATHER_MAX_EXPERT_BYTES`, past which a product per expert (MKL, oneDNN) streams the
         weights faster than Inductor's loop."""
         w = self.gate_up_proj
         if pairs > self.num_experts:
             return False
-        return w.device.type != "cpu" or w.dtype != torch.float32 or \
-            (w[0].numel() + self.down_proj[0].numel()) * w.element_size() <= GATHER_MAX_EXPERT_BYTES
+        size = w.element_size()
+        return w.device.type != "cpu" or size not in GATHER_MAX_EXPERT_BYTES or \
+            (w[0].numel() + self.down_proj[0].numel()) * size <= GATHER_MAX_EXPERT_BYTES[size]
 
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
