@@ -36,8 +36,7 @@ import math
 import torch
 
 from kit.engine.kv_specs import MambaSpec
-
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kit.measure.device import torch_dtype
 
 
 def allocate_pages(layout, num_blocks: int, device, dtype: torch.dtype) -> torch.Tensor:
@@ -94,7 +93,7 @@ def state_views(pages: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, tor
     whole-tensor (`kit.engine.layers.state_slots.write_state`)."""
     views, offset = [], 0
     for shape, name in zip(spec.shapes, spec.dtypes):
-        dtype = STATE_DTYPES[name]
+        dtype = torch_dtype(name)
         size = math.prod(shape) * dtype.itemsize
         if offset % dtype.itemsize:
             raise ValueError(f"a {name} state cannot start at byte {offset} of a page")
