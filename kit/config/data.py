@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from kit.errors import ConfigError
@@ -10,6 +11,9 @@ DATA = Path(__file__).resolve().parent.parent.parent / "data"
 MODELS_DIR = DATA / "models"
 PRESETS_DIR = DATA / "presets"
 DEFAULT_PRESET = "cpu-small"
+# What the kit builds once per machine and keeps between runs: vLLM's model folders, the expert
+# kernel (`kit.engine.layers.expert_kernel`).
+CACHE = Path(os.environ.get("KIT_CACHE_DIR", Path.home() / ".cache" / "kit"))
 
 
 def known_names(folder: Path) -> list[str]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from kit.config.data import CACHE
 
 # Where engine runs find their model folders: one per model config, the same from run to run,
 # because vLLM's compile cache is keyed by the model's path among other things (a folder inside
 # each run folder made every compiled start-up compile from scratch).
-MODELS_CACHE = Path(os.environ.get("KIT_CACHE_DIR", Path.home() / ".cache" / "kit")) / "vllm-models"
+MODELS_CACHE = CACHE / "vllm-models"
 
 
 def safe_name(name: str) -> str:

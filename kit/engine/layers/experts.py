@@ -20,11 +20,12 @@ bytes of the distinct experts its batch picked (`distinct_experts`). Every shape
 on the number of tokens, so compiled code needs no graph per routing. Where a device or dtype
 has no grouped product, a product per picked expert does the same arithmetic (`grouped_mm`).
 
-A decode step in compiled code, where a step's (token, expert) pairs are no more than the
-experts (each expert about one row), runs the products as one generated loop instead
-(`gathered_products`): the CPU's grouped product is a matrix product per expert, each its own
-parallel region, which on a 2-core machine cost 5-8x more than the bytes it reads (README,
-"Experts against vLLM's fused MoE").
+A decode step, where a step's (token, expert) pairs are no more than the experts (each expert
+about one row), runs each product as one kernel over every picked expert on the CPU
+(`kit.engine.layers.expert_kernel`, as vLLM's fused MoE), and as one generated loop in compiled
+code elsewhere (`gathered_products`): the CPU's grouped product is a matrix product per expert,
+each its own parallel region, which on a 2-core machine cost 5-8x more than the bytes it reads
+(README, "Experts against vLLM's fused MoE").
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kit.config import ModelConfig
+from kit.engine.layers.expert_kernel import KERNEL_DTYPES, expert_products, library
 from kit.engine.layers.linear import Linear
 from kit.engine.layers.mlp import MLP
 
@@ -71,14 +73,6 @@ def route_topk_sigmoid(logits: torch.Tensor, k: int, renormalize: bool = False,
 ROUTE = {"softmax_topk": route, "topk_softmax": route_topk_softmax,  # `Parts.experts` -> router
          "topk_sigmoid": route_topk_sigmoid}
 
-# The largest expert (its matrices' bytes) a compiled decode step on the CPU multiplies in one
-# generated loop (`gathered_products`) rather than a product per expert (`grouped_mm`), by the
-# weights' element size. Measured on a quiet 2-core AVX-512 CPU, one layer at batch 4-8: in
-# float32 the loop is faster up to 3 MB (0.59 against 0.99 ms at 0.8 MB), the products from
-# 6 MB (16.3 against 22.2 ms; Qwen3-30B-A3B's 19 MB: 48 against 63 ms). In bf16 the loop is
-# faster at Qwen3's 9 MB (41 against 50 ms), slower at gpt-oss-20b's 50 MB (the whole step 201
-# against eager's 134 ms, `kit bench vllm`): 16-bit experts up to 16 MB.
-GATHER_MAX_EXPERT_BYTES = {4: 4 * 2**20, 2: 16 * 2**20}
 _GROUPED_WORKS: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
 
@@ -204,6 +198,7 @@ class Experts(nn.Module):
         self.clamped = arch.parts.expert_act == "clamped_swiglu"
         self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
         self.scale_input = arch.parts.experts_scale_input  # Llama 4: weight × x, not × expert(x)
+        self.kernel_built = library() is not None  # `expert_products` runs here
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -213,17 +208,12 @@ class Experts(nn.Module):
         gate = F.gelu(gate, approximate=self.approximate) if self.gelu else F.silu(gate)
         return gate * up
 
-    def gathers(self, pairs: int) -> bool:
-        """Whether compiled code runs `pairs` (token, expert) pairs as `gathered_products`: a
-        decode step's, no more pairs than experts; on the CPU only for experts of at most
-        `GATHER_MAX_EXPERT_BYTES`, past which a product per expert (MKL, oneDNN) streams the
-        weights faster than Inductor's loop."""
+    def one_kernel(self, pairs: int) -> bool:
+        """Whether `pairs` (token, expert) pairs run as `expert_products`: a decode step's, no
+        more pairs than experts, on the CPU in float32 or bf16, where the kernel built."""
         w = self.gate_up_proj
-        if pairs > self.num_experts:
-            return False
-        size = w.element_size()
-        return w.device.type != "cpu" or size not in GATHER_MAX_EXPERT_BYTES or \
-            (w[0].numel() + self.down_proj[0].numel()) * size <= GATHER_MAX_EXPERT_BYTES[size]
+        return self.kernel_built and pairs <= self.num_experts and w.device.type == "cpu" \
+            and w.dtype in KERNEL_DTYPES
 
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
@@ -238,8 +228,10 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (token, pick) pairs sorted by expert
         token_of = order // k
         picked = flat[order]
-        if torch.compiler.is_compiling() and self.gathers(flat.shape[0]):
-            products = gathered_products  # a decode step's few pairs: one generated loop each
+        if self.one_kernel(flat.shape[0]):
+            products = expert_products  # a decode step's few pairs on the CPU: one kernel each
+        elif torch.compiler.is_compiling() and flat.shape[0] <= self.num_experts:
+            products = gathered_products  # elsewhere, compiled: one generated loop each
         else:
             ends = picks_per_expert(flat, self.num_experts).cumsum(0).to(torch.int32)
 

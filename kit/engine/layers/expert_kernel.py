@@ -1,0 +1,114 @@
+"""A decode step's expert products as one kernel (`expert_products.c`), as vLLM's CPU engine
+runs its fused MoE: every picked expert's rows in one parallel region, each expert's bytes read
+from memory once.
+
+Why: a decode step's few rows make each expert's product a matrix-vector product, bound by the
+bytes it reads. A product per expert (`torch._grouped_mm` on the CPU, MKL, oneDNN) opens a
+parallel region per expert, and on a 2-core CPU that cost about half the step; Inductor's
+generated loop (`gathered_products`) sums each output in one chain and streams at 17-23 GB/s
+where the memory gives 30-40 (README, "Experts against vLLM's fused MoE").
+
+The kernel is C, built on first use by the machine's C compiler for the machine it runs on
+(`-march=native`: AVX-512 where there is AVX-512, AVX2 or NEON elsewhere) and kept in
+`KIT_CACHE_DIR` under a name that holds the source, the compiler and the CPU's features. Where
+it cannot be built (no C compiler or no OpenMP), `library()` says why once and the experts
+multiply as they did before. One opaque op to torch.compile, like `grouped_mm`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from kit.config.data import CACHE
+
+SOURCE = Path(__file__).with_name("expert_products.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_INT64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def c_compiler() -> str | None:
+    """The C compiler: $CC, else cc, gcc or clang on the PATH."""
+    return os.environ.get("CC") or next(
+        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+
+
+def cpu_features() -> str:
+    """What the CPU can do (its features line on Linux), so a kernel built for one CPU is never
+    loaded on another that shares the cache."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build(compiler: str, path: Path) -> None:
+    """Compile `SOURCE` into the shared library `path` (written aside, then moved in place, so
+    two processes building at once each load a whole file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+                       check=True, capture_output=True, text=True)
+        os.replace(built, path)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built here (said once, as a warning)."""
+    compiler = c_compiler()
+    if compiler is None:
+        warnings.warn("no C compiler ($CC, cc, gcc, clang): the experts multiply per expert")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, cpu_features()])
+                         .encode()).hexdigest()[:16]
+    path = CACHE / "kernels" / f"expert_products-{key}.so"
+    try:
+        if not path.exists():
+            build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"the expert kernel did not build ({getattr(e, 'stderr', e)}): the "
+                      "experts multiply per expert")
+        return None
+    for name in ("expert_products_f32", "expert_products_bf16"):
+        getattr(lib, name).argtypes = [_PTR] * 4 + [_INT64] * 3
+    return lib
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' dtypes it multiplies
+
+
+@torch.library.custom_op("kit::expert_products", mutates_args=())
+def expert_products(rows: torch.Tensor, weights: torch.Tensor,
+                    experts: torch.Tensor) -> torch.Tensor:
+    """rows [P, K] sorted by expert, `experts` [P] each row's expert, weights [E, N, K] (as
+    stored, each expert's output rows) -> [P, N], row p times weights[experts[p]]ᵀ, summed in
+    float32, in the rows' dtype; on the CPU, weights in `KERNEL_DTYPES`."""
+    x = rows.float().contiguous()
+    ids = experts.to(torch.int64).contiguous()
+    w = weights.contiguous()
+    out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
+    if x.shape[0]:
+        fn = library().expert_products_bf16 if w.dtype == torch.bfloat16 else \
+            library().expert_products_f32
+        fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(),
+           x.shape[0], w.shape[1], w.shape[2])
+    return out.to(rows.dtype)
+
+
+@expert_products.register_fake
+def _(rows, weights, experts):
+    return rows.new_empty(rows.shape[0], weights.shape[1])

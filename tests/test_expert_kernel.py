@@ -1,0 +1,62 @@
+"""The expert kernel (`kit.engine.layers.expert_kernel`): built here, equal to the products it
+replaces on every shape its loops split (rows of a block, the vector tail, empty input)."""
+import pytest
+import torch
+
+from kit.engine.layers import expert_kernel
+from kit.engine.layers.expert_kernel import expert_products
+
+
+def by_definition(rows, weights, experts):
+    return torch.stack([weights[e].double() @ r.double() for r, e in zip(rows, experts)]) \
+        if len(rows) else torch.zeros(0, weights.shape[1], dtype=torch.double)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,n,k,tokens,top", [
+    (4, 7, 5, 3, 2),       # fewer output rows than a task's, K shorter than a vector
+    (8, 64, 40, 5, 2),     # a vector tail in K
+    (16, 33, 100, 8, 4),   # a last task of one row
+    (128, 96, 2048, 8, 8),  # Qwen3-30B-A3B's expert count and rows, narrow
+    (3, 17, 48, 1, 1),     # one token
+])
+def test_the_kernel_equals_the_definition(dtype, e, n, k, tokens, top):
+    torch.manual_seed(0)
+    weights = torch.randn(e, n, k).to(dtype)
+    experts = torch.randn(tokens, e).topk(top).indices.flatten().sort().values
+    rows = torch.randn(len(experts), k).to(dtype)
+    got = expert_products(rows, weights, experts)
+    assert got.dtype == dtype and got.shape == (len(experts), n)
+    want = by_definition(rows, weights, experts)
+    assert (got.double() - want).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2) \
+        * want.abs().max()
+
+
+def test_no_rows_give_no_output_and_unpicked_experts_are_never_read():
+    weights = torch.full((4, 16, 32), float("nan"))
+    weights[2] = 1.0
+    assert expert_products(torch.ones(0, 32), weights, torch.zeros(0, dtype=torch.int64)) \
+        .shape == (0, 16)
+    got = expert_products(torch.ones(2, 32), weights, torch.tensor([2, 2]))
+    assert got.eq(32).all()
+
+
+def test_it_is_built_for_this_machine_once_and_kept():
+    """The library's name holds the source, the compiler and the CPU's features; a second
+    call reuses the loaded library."""
+    lib = expert_kernel.library()
+    assert lib is not None and expert_kernel.library() is lib
+    built = list((expert_kernel.CACHE / "kernels").glob("expert_products-*.so"))
+    assert any(p.name == lib._name.split("/")[-1] for p in built)
+
+
+def test_compiled_code_calls_it_as_one_opaque_op():
+    weights = torch.randn(8, 24, 64)
+    experts = torch.tensor([1, 1, 5])
+
+    def step(rows):
+        return expert_products(rows * 2, weights, experts) + 1
+
+    rows = torch.randn(3, 64)
+    got = torch.compile(step, fullgraph=True)(rows)
+    torch.testing.assert_close(got, step(rows))
