@@ -60,3 +60,43 @@ def test_compiled_code_calls_it_as_one_opaque_op():
     rows = torch.randn(3, 64)
     got = torch.compile(step, fullgraph=True)(rows)
     torch.testing.assert_close(got, step(rows))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_expert_bench_runs_every_way_on_one_routing_and_checks_each(dtype):
+    """`python -m kit bench experts`' measurement on tiny-moe: every way (vLLM's fused MoE
+    where its CPU build is installed) gives the kernel's output, and the bytes to read are the
+    picked experts' own."""
+    from kit.config import load
+    from kit.studies.expert_layer import outside_tolerance, time_expert_layer
+    arch = load("cpu-small", model="tiny-moe").arch
+    layer = time_expert_layer(arch, dtype, 4, rounds=2, calls=2)
+    ways = {r["way"] for r in layer.rows()}
+    assert {"kernel", "grouped", "gathered"} <= ways
+    assert ways | set(layer.skipped) == {"kernel", "grouped", "gathered", "vllm"}
+    assert outside_tolerance(layer) == []
+    per_expert = 3 * arch.hidden_size * arch.moe_intermediate_size * (4 if dtype == "float32" else 2)
+    assert layer.bytes_read == layer.experts_read * per_expert
+    assert 1 <= layer.experts_read <= min(arch.num_experts, 4 * arch.num_experts_per_tok)
+
+
+def test_a_compiled_prefill_multiplying_in_float32_runs_the_kernel(monkeypatch):
+    """Where compiled code multiplies 16-bit weights in float32 (`Decoder.multiply_in`, a CPU
+    without native bf16), a prefill's many pairs run the kernel too: that float32 product
+    without a float32 copy of every expert. Eager code is unchanged (the grouped product)."""
+    from kit.config import load
+    from kit.engine.layers.experts import SparseMoE
+    arch = load("cpu-small", model="tiny-moe").arch
+    torch.manual_seed(0)
+    moe = SparseMoE(arch).to(torch.bfloat16).requires_grad_(False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    calls, real = [], expert_kernel.library
+    monkeypatch.setattr(expert_kernel, "library", lambda: calls.append(1) or real())
+    x = torch.randn(3 * arch.num_experts, arch.hidden_size, dtype=torch.bfloat16)
+    moe.experts.matmul_dtype = torch.float32
+    eager = moe(x).float()
+    assert calls == []
+    compiled = torch.compile(moe, fullgraph=True)(x).float()
+    assert len(calls) == 2  # gate and up, then down
+    assert (compiled - eager).abs().max() <= 3e-2 * eager.abs().max()

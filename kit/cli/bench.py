@@ -1,6 +1,8 @@
-"""The benchmarks, `python -m kit bench compile|decode|suite|vllm`: chapter 03's and chapter
-04's measurements without a notebook, printed and written as JSON, the whole suite timed through
-`python -m kit run` (kit/cli/suite.py), and chapter 05's decode beside vLLM (kit/cli/bench_vllm.py).
+"""The benchmarks, `python -m kit bench compile|decode|suite|vllm|experts`: chapter 03's and
+chapter 04's measurements without a notebook, printed and written as JSON, the whole suite timed
+through `python -m kit run` (kit/cli/suite.py), chapter 05's decode beside vLLM
+(kit/cli/bench_vllm.py), and one MoE layer's experts beside vLLM's fused MoE
+(kit/cli/bench_experts.py).
 Speed targets live here and in those modules, reported, never asserted in tests. The studies
 are imported when a benchmark runs, so the other commands start without torch.
 """
@@ -10,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from kit.cli.bench_experts import add_experts_cli
 from kit.cli.bench_vllm import add_vllm_cli
 from kit.cli.suite import add_suite_cli
 from kit.config import DEFAULT_PRESET, load
@@ -40,6 +43,7 @@ def add_cli(sub) -> None:
     p.set_defaults(func=bench_decode)
     add_suite_cli(benchmarks, _common)
     add_vllm_cli(benchmarks, _common)
+    add_experts_cli(benchmarks, _common)
 
 
 def _common(p) -> None:

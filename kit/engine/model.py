@@ -20,7 +20,7 @@ from kit.config import ModelConfig
 from kit.engine.layers.attention import Attention, AttentionMetadata
 from kit.engine.layers.linear import Linear, linear
 from kit.engine.layers.mamba2 import Mamba2Mixer
-from kit.engine.layers.experts import SparseMoE
+from kit.engine.layers.experts import Experts, SparseMoE
 from kit.engine.layers.gated_delta import GatedDeltaNet, HeadGatedNorm
 from kit.engine.layers.gemma4_moe import Gemma4MoE
 from kit.engine.layers.mla import LatentAttention
@@ -262,7 +262,7 @@ class Decoder(nn.Module):
         the model's dtype remains, as in a native 16-bit product. Eager code is unchanged."""
         self.matmul_dtype = dtype
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, Experts)):  # the experts: `Experts.one_kernel`
                 module.matmul_dtype = dtype
 
 

@@ -23,7 +23,7 @@ from kit.engine.decode import (Correctness, batch_for_run, check_against_no_cach
                                make_prompts)
 from kit.engine.expert_picks import record_picks
 from kit.engine.kv_cache import KVCacheLayout
-from kit.engine.layers.experts import expected_distinct_experts
+from kit.engine.layers.experts import expected_distinct_experts, one_moe_layer
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.units import Count, Number, Seconds
@@ -158,16 +158,6 @@ def host_loop_experts(moe, x: torch.Tensor) -> torch.Tensor:
         hidden = ex.act(x[token] @ ex.gate_up_proj[e].T) @ ex.down_proj[e].T
         out.index_add_(0, token, hidden.float() * weights[token, pick, None])
     return out.to(x.dtype)
-
-
-def one_moe_layer(arch: ModelConfig, dtype: str, seed: int = 0):
-    """One MoE layer of `arch`, random weights (as `build_model` draws them)."""
-    from kit.engine.layers.experts import SparseMoE
-    torch.manual_seed(seed)
-    moe = SparseMoE(arch)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return moe.to(getattr(torch, dtype))
 
 
 def dynamo_count(fn, xs, fullgraph: bool) -> tuple[int, int]:

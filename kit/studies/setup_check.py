@@ -4,14 +4,13 @@ verdict names the fix for every failed check.
 """
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kit.engine.layers.expert_kernel import c_compiler
 from kit.measure.device import synchronize
 from kit.measure.memory import probe_measurement
 from kit.measure.dtype_speed import hardware_figures
@@ -83,9 +82,7 @@ def inductor_cxx() -> Compiler:
 def triton_cc() -> Compiler:
     """The C compiler Triton builds its launcher with at run time, in Triton's order
     (triton/runtime/build.py: $CC as given, else gcc, else clang on PATH)."""
-    command = os.environ.get("CC")
-    if command is None:
-        command = shutil.which("gcc") or shutil.which("clang")
+    command = c_compiler()  # the same search the CPU's expert kernel makes
     return Compiler("C", "Triton", command, command and version_line(command),
                     "apt-get install gcc (or conda install -c conda-forge gcc), or set CC to a "
                     "C compiler")

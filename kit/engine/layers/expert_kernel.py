@@ -37,9 +37,9 @@ _INT64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def c_compiler() -> str | None:
-    """The C compiler: $CC, else cc, gcc or clang on the PATH."""
-    return os.environ.get("CC") or next(
-        (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    """The C compiler, found as Triton finds the one it builds its launchers with
+    (triton/runtime/build.py): $CC as given, else gcc, else clang on the PATH."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
 
 
 def cpu_features() -> str:

@@ -16,10 +16,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifndef VB
 #if defined(__AVX512F__)
 #define VB 16 /* float32 lanes of the machine's vectors */
 #else
 #define VB 8
+#endif
 #endif
 #define R 8   /* weight rows a task reads side by side */
 typedef float vf __attribute__((vector_size(VB * 4)));

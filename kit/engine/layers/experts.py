@@ -199,6 +199,7 @@ class Experts(nn.Module):
         self.alpha, self.limit = arch.swiglu_alpha, arch.swiglu_limit
         self.scale_input = arch.parts.experts_scale_input  # Llama 4: weight × x, not × expert(x)
         self.kernel_built = library() is not None  # `expert_products` runs here
+        self.matmul_dtype = None  # float32: 16-bit weights multiplied in float32 (`multiply_in`)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -209,11 +210,17 @@ class Experts(nn.Module):
         return gate * up
 
     def one_kernel(self, pairs: int) -> bool:
-        """Whether `pairs` (token, expert) pairs run as `expert_products`: a decode step's, no
-        more pairs than experts, on the CPU in float32 or bf16, where the kernel built."""
+        """Whether `pairs` (token, expert) pairs run as `expert_products`, on the CPU, float32
+        or bf16, where the kernel built: a decode step's (no more pairs than experts), and any
+        number where compiled code multiplies 16-bit weights in float32 (a CPU without native
+        bf16, `Decoder.multiply_in`). There the kernel is that float32 product without a
+        float32 copy of every expert (it widens each weight as it reads it): a gpt-oss-20b-like
+        layer's 1,024-token prefill in bf16 took 3.0 s in it against 10.0 s grouped, emulated
+        (AVX2, README "Experts against vLLM's fused MoE")."""
         w = self.gate_up_proj
-        return self.kernel_built and pairs <= self.num_experts and w.device.type == "cpu" \
-            and w.dtype in KERNEL_DTYPES
+        return self.kernel_built and w.device.type == "cpu" and w.dtype in KERNEL_DTYPES and \
+            (pairs <= self.num_experts or self.matmul_dtype == torch.float32
+             and torch.compiler.is_compiling())
 
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
@@ -281,6 +288,15 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self.experts(x, *self.route(x))
         return routed if self.shared_expert is None else self.shared_expert(x) + routed
+
+
+def one_moe_layer(arch: ModelConfig, dtype: str, seed: int = 0):
+    """One MoE layer of `arch`, random weights (as `build_model` draws them)."""
+    torch.manual_seed(seed)
+    moe = SparseMoE(arch)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return moe.to(getattr(torch, dtype))
 
 
 def distinct_experts(ids: torch.Tensor) -> int:
