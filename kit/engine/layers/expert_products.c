@@ -64,16 +64,10 @@ static inline __attribute__((always_inline)) void task_f32(
     }
 }
 
-void expert_products_f32(const float* rows, const int64_t* experts, const float* weights,
-                         float* out, int64_t P, int64_t N, int64_t K) {
-    int64_t starts[P + 1], G = group_starts(experts, P, starts), blocks = (N + R - 1) / R;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < G * blocks; t++) {
-        int64_t g = t / blocks, n = t % blocks * R;
-        const float* w = weights + (experts[starts[g]] * N + n) * K;
-        if (N - n >= R) task_f32(w, rows, out, starts[g], starts[g + 1], n, R, N, K);
-        else task_f32(w, rows, out, starts[g], starts[g + 1], n, N - n, N, K);
-    }
+static void tasks_f32(const void* w, const float* rows, float* out, int64_t p0, int64_t p1,
+                      int64_t n, int64_t N, int64_t K) {
+    if (N - n >= R) task_f32(w, rows, out, p0, p1, n, R, N, K);  /* R: unrolled */
+    else task_f32(w, rows, out, p0, p1, n, N - n, N, K);
 }
 
 static inline __attribute__((always_inline)) void task_bf16(
@@ -101,9 +95,35 @@ static inline __attribute__((always_inline)) void task_bf16(
     }
 }
 
+static void tasks_bf16(const void* w, const float* rows, float* out, int64_t p0, int64_t p1,
+                       int64_t n, int64_t N, int64_t K) {
+    if (N - n >= R) task_bf16(w, rows, out, p0, p1, n, R, N, K);
+    else task_bf16(w, rows, out, p0, p1, n, N - n, N, K);
+}
+
+typedef void task_fn(const void* w, const float* rows, float* out, int64_t p0, int64_t p1,
+                     int64_t n, int64_t N, int64_t K);
+
+/* Every task of every group, shared out among the threads: one parallel region. */
+static void run_tasks(task_fn* task, const float* rows, const int64_t* experts,
+                      const char* weights, int64_t element, float* out, int64_t P, int64_t N,
+                      int64_t K) {
+    int64_t starts[P + 1], G = group_starts(experts, P, starts), blocks = (N + R - 1) / R;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < G * blocks; t++) {
+        int64_t g = t / blocks, n = t % blocks * R;
+        task(weights + (experts[starts[g]] * N + n) * K * element, rows, out, starts[g],
+             starts[g + 1], n, N, K);
+    }
+}
+
+void expert_products_f32(const float* rows, const int64_t* experts, const float* weights,
+                         float* out, int64_t P, int64_t N, int64_t K) {
+    run_tasks(tasks_f32, rows, experts, (const char*)weights, 4, out, P, N, K);
+}
+
 void expert_products_bf16(const float* rows, const int64_t* experts, const uint16_t* weights,
                           float* out, int64_t P, int64_t N, int64_t K) {
-    int64_t starts[P + 1], G = group_starts(experts, P, starts), blocks = (N + R - 1) / R;
     int64_t kv = K - K % (2 * VB);
     float* xs = malloc(sizeof(float) * (P * K + 1)); /* the rows, each block even then odd */
     for (int64_t p = 0; p < P; p++) {
@@ -113,12 +133,6 @@ void expert_products_bf16(const float* rows, const int64_t* experts, const uint1
             for (int i = 0; i < VB; i++) { y[k + i] = x[k + 2 * i]; y[k + VB + i] = x[k + 2 * i + 1]; }
         for (int64_t k = kv; k < K; k++) y[k] = x[k];
     }
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < G * blocks; t++) {
-        int64_t g = t / blocks, n = t % blocks * R;
-        const uint16_t* w = weights + (experts[starts[g]] * N + n) * K;
-        if (N - n >= R) task_bf16(w, xs, out, starts[g], starts[g + 1], n, R, N, K);
-        else task_bf16(w, xs, out, starts[g], starts[g + 1], n, N - n, N, K);
-    }
+    run_tasks(tasks_bf16, xs, experts, (const char*)weights, 2, out, P, N, K);
     free(xs);
 }
