@@ -100,3 +100,22 @@ def test_a_compiled_prefill_multiplying_in_float32_runs_the_kernel(monkeypatch):
     compiled = torch.compile(moe, fullgraph=True)(x).float()
     assert len(calls) == 2  # gate and up, then down
     assert (compiled - eager).abs().max() <= 3e-2 * eager.abs().max()
+
+
+def test_without_a_working_compiler_it_says_so_once_and_the_experts_multiply_as_before(
+        monkeypatch):
+    from kit.config import load
+    from kit.engine.layers.experts import SparseMoE
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    expert_kernel.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="the expert kernel did not build"):
+            assert expert_kernel.library() is None
+        moe = SparseMoE(load("cpu-small", model="tiny-moe").arch).requires_grad_(False)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, 0, 0.1)
+        assert not moe.experts.kernel_built and not moe.experts.one_kernel(2)
+        x = torch.randn(2, moe.gate.in_features)
+        assert moe(x).isfinite().all()
+    finally:
+        expert_kernel.library.cache_clear()

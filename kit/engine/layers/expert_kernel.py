@@ -70,12 +70,12 @@ def library() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built here (said once, as a warning)."""
     compiler = c_compiler()
     if compiler is None:
-        warnings.warn("no C compiler ($CC, cc, gcc, clang): the experts multiply per expert")
+        warnings.warn("no C compiler ($CC, gcc, clang): the experts multiply per expert")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, cpu_features()])
-                         .encode()).hexdigest()[:16]
-    path = CACHE / "kernels" / f"expert_products-{key}.so"
     try:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, cpu_features()])
+                             .encode()).hexdigest()[:16]
+        path = CACHE / "kernels" / f"expert_products-{key}.so"
         if not path.exists():
             build(compiler, path)
         lib = ctypes.CDLL(str(path))
