@@ -218,9 +218,11 @@ class Experts(nn.Module):
         layer's 1,024-token prefill in bf16 took 3.0 s in it against 10.0 s grouped, emulated
         (AVX2, README "Experts against vLLM's fused MoE")."""
         w = self.gate_up_proj
+        # (the dtype first: a compiled prefill's `pairs` is a symbol, and comparing it would
+        # add a guard for nothing)
         return self.kernel_built and w.device.type == "cpu" and w.dtype in KERNEL_DTYPES and \
-            (pairs <= self.num_experts or self.matmul_dtype == torch.float32
-             and torch.compiler.is_compiling())
+            (self.matmul_dtype == torch.float32 and torch.compiler.is_compiling()
+             or pairs <= self.num_experts)
 
     def biased(self, rows: torch.Tensor, bias, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert plus each row's expert's bias (none: as they are)."""
