@@ -31,6 +31,7 @@ def add_experts_cli(benchmarks, common) -> None:
 def bench_experts(args) -> int:
     """The table printed and the JSON written; 1 when a way's output left the dtype's
     tolerance of the kernel's."""
+    from kit.engine.layers.expert_kernel import library
     from kit.show.tables import Table
     from kit.studies.expert_layer import outside_tolerance, time_expert_layer
     settings = load(args.preset, **parse_params(args.param))
@@ -40,6 +41,9 @@ def bench_experts(args) -> int:
     if not settings.arch.num_experts:
         raise ConfigError(f"{settings.arch.name} has no experts: give a model with experts, "
                           "e.g. -p model=data/bench/qwen3-30b-a3b-2-layers.json")
+    if library() is None:
+        raise ConfigError("the expert kernel did not build here (the warning above says why): "
+                          "install a C compiler with OpenMP (gcc), or set CC to one")
     load_before = os.getloadavg()
     layer = time_expert_layer(settings.arch, settings.dtype, settings.batch_size,
                               rounds=args.rounds, calls=args.calls)

@@ -7,7 +7,8 @@ each streams them at.
     grouped    a product per picked expert (`kit::grouped_mm`, what a prefill runs)
     gathered   Inductor's generated loop over the picked experts (compiled; what a GPU's
                compiled decode step runs)
-    vllm       vLLM 0.32's `cpu_fused_moe` on its prepacked weights (SiLU experts only)
+    vllm       vLLM 0.32's `cpu_fused_moe` on its prepacked weights (SiLU experts only,
+               `kit.vllm.fused_moe`)
 
 Every way's output is checked against the kernel's: a fast way that multiplies wrong fails.
 """
@@ -21,6 +22,7 @@ import torch
 from kit.config import ModelConfig, TOLERANCE
 from kit.engine.layers.experts import distinct_experts, one_moe_layer
 from kit.measure.timing import interleaved_timings, per_round_best
+from kit.vllm.fused_moe import vllm_fused_moe
 
 
 @dataclass
@@ -49,46 +51,24 @@ class ExpertLayer:
                  "error vs kernel": f"{self.error[way]:.1e}"} for way in self.seconds]
 
 
-def vllm_fused(moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-    """vLLM's CPU fused MoE on the layer's experts (prepacked once), or the reason it cannot
-    run them: no vLLM CPU build, or experts other than SiLU-gated without biases."""
-    ex = moe.experts
-    if ex.gelu or ex.clamped or ex.gate_up_proj_bias is not None or ex.scale_input:
-        return None, "vLLM's fused MoE here takes SiLU-gated experts without biases"
-    try:
-        from vllm import _custom_ops as ops
-        isa = "amx" if x.dtype == torch.bfloat16 else "vec"
-        w13 = ops.cpu_prepack_moe_weight(ex.gate_up_proj.detach(), isa)
-        w2 = ops.cpu_prepack_moe_weight(ex.down_proj.detach(), isa)
-    except (ImportError, AttributeError, RuntimeError) as e:
-        return None, f"no vLLM CPU fused MoE here ({type(e).__name__}: {e})"
-    out, ids32 = torch.empty_like(x), ids.to(torch.int32)
-
-    def run():
-        ops.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids32, "silu", isa)
-        return out
-    return run, None
-
-
 def time_expert_layer(arch: ModelConfig, dtype: str, batch: int, rounds: int = 7,
                       calls: int = 10, seed: int = 0) -> ExpertLayer:
     """One MoE layer of `arch` (random weights), `batch` tokens routed by its router, each way
-    timed `calls` times a round for `rounds` interleaved rounds."""
+    timed `calls` times a round for `rounds` interleaved rounds (the expert kernel must have
+    built here: `bench experts` says so before any work)."""
     moe = one_moe_layer(arch, dtype, seed).requires_grad_(False)
     ex = moe.experts
     x = torch.randn(batch, arch.hidden_size, dtype=getattr(torch, dtype))
     weights, ids = moe.route(x)
     per_expert = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) \
         * ex.gate_up_proj.element_size()
-    layer = ExpertLayer(arch.name, dtype, batch, distinct_experts(ids),
-                        distinct_experts(ids) * per_expert)
-    if not ex.kernel_built:
-        raise RuntimeError("the expert kernel did not build here (see the warning above)")
+    picked = distinct_experts(ids)
+    layer = ExpertLayer(arch.name, dtype, batch, picked, picked * per_expert)
     ways = {"kernel": lambda: ex(x, weights, ids)}
     ways["grouped"] = without_kernel(ex, lambda: ex(x, weights, ids))
     compiled = torch.compile(ex, dynamic=False)
     ways["gathered"] = without_kernel(ex, lambda: compiled(x, weights, ids))
-    fused, why = vllm_fused(moe, x, weights, ids)
+    fused, why = vllm_fused_moe(moe, x, weights, ids)
     if fused is None:
         layer.skipped["vllm"] = why
     else:

@@ -3,8 +3,8 @@ installed (`installed`), its log kept off the learner's screen (`log`), the mode
 starts from (`model_folder`), the KV cache specs its model builds from a config.json on the meta
 device (`model_specs`), its KV cache arithmetic on them without an engine (`kv_sizing`, many
 settings of one model at a time included; concurrency against max_model_len, windowed beside full
-attention: `concurrency`), its engine started, read and timed (`engine_runs`) and its greedy
-tokens from a checkpoint (`greedy`). Importing them imports no vLLM and changes no environment
+attention: `concurrency`), its engine started, read and timed (`engine_runs`), its greedy
+tokens from a checkpoint (`greedy`) and its CPU fused MoE on one of the kit's layers (`fused_moe`). Importing them imports no vLLM and changes no environment
 variable: that happens when an engine starts or a model is built. When vLLM is missing or cannot
 start, the functions return a result whose `error` says why and what to do, never a traceback,
 so a notebook can go on."""

@@ -102,8 +102,8 @@ def expert_products(rows: torch.Tensor, weights: torch.Tensor,
     w = weights.contiguous()
     out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
     if x.shape[0]:
-        fn = library().expert_products_bf16 if w.dtype == torch.bfloat16 else \
-            library().expert_products_f32
+        fn = getattr(library(), "expert_products_bf16" if w.dtype == torch.bfloat16 else
+                     "expert_products_f32")
         fn(x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(),
            x.shape[0], w.shape[1], w.shape[2])
     return out.to(rows.dtype)
