@@ -106,6 +106,20 @@ def test_unknown_strategy_and_cuda_graphs_on_cpu_are_refused(model):
     assert set(STRATEGIES) <= {p.serve for p in get_plans()} | {"eager"}
 
 
+def test_a_budget_the_eager_profile_fills_stops_the_comparison_before_any_compile():
+    """tiny in float32 on cpu-small's 96 MiB: weights and the eager profile's activations leave
+    no KV cache block (chapters 02 and 04 refuse it too), so chapter 03 says so, as a
+    ConfigError, before compiling any plan (it ran every plan and ended in a TypeError)."""
+    from torch._dynamo.utils import counters
+    from kit.engine.kv_cache import KVCacheLayout
+    from kit.studies.compile_strategies import compare
+    settings = load("cpu-small", dtype="float32")
+    graphs = counters["stats"]["unique_graphs"]
+    with pytest.raises(ConfigError, match="No available memory for the cache blocks"):
+        compare(settings, KVCacheLayout.for_settings(settings))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_decode_batch_sizes_visit_one_and_the_full_batch():
     for max_num_seqs in (1, 3, 8, 32, 256):
         for seed in range(20):

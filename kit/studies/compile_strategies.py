@@ -23,7 +23,7 @@ import torch
 from kit.config import TOLERANCE, Settings, reference
 from kit.engine.budget import requested_memory
 from kit.engine.kv_cache import KVCacheLayout, config_for_settings
-from kit.engine.profile_run import check_fits, profile_batch, profile_run
+from kit.engine.profile_run import check_fits, no_kv_cache_message, profile_batch, profile_run
 from kit.engine.model import build_model, weights_bytes
 from kit.engine.runners import capture_sizes_up_to, make_runner
 from kit.engine.serving_trace import decode_batch_sizes
@@ -221,6 +221,8 @@ def _profile(bench: _Bench, plan: Plan, res: PlanResult):
     res.peak_activation_bytes = prof.peak_activation_bytes
     res.non_torch_bytes = prof.non_torch_bytes
     res.kv_cache_bytes = prof.kv_cache_bytes
+    if prof.kv_cache_bytes <= 0:
+        raise ConfigError(no_kv_cache_message(prof))
     res.num_blocks = config_for_settings(bench.layout, s, prof.kv_cache_bytes).num_blocks
     return runner if plan.profile_with == plan.serve else None
 
@@ -262,8 +264,15 @@ def run_plan(bench: _Bench, plan: Plan, step_sizes: list[int]):
             raise ConfigError("CUDA graphs need a GPU (device='cuda'); this run is on "
                               f"{bench.device}")
         runner = _profile(bench, plan, res)
+    except ConfigError as e:
+        if plan.profile_with == "eager" and plan.serve != "cuda_graphs":
+            raise  # the eager profile leaves no KV cache: no plan can be compared, so stop
+            # before the compiled plans (chapters 02 and 04 refuse the same settings)
+        res.available, res.reason = False, str(e)
+        return res, None
+    try:
         runner = _serve(bench, plan, res, runner, step_sizes)
-    except ConfigError as e:  # the plan cannot run here (no GPU, no bytecode hook)
+    except ConfigError as e:  # the plan cannot run here (no bytecode hook)
         res.available, res.reason = False, str(e)
         return res, None
     return res, runner
