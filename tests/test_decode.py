@@ -468,6 +468,26 @@ def test_a_prefill_past_the_score_bound_chunks_its_queries_to_the_same_run(key, 
     prefill.discard()
 
 
+def test_the_eager_summed_runs_routing_is_recorded_by_a_rerun_that_sums(monkeypatch):
+    """The eager step with the attention summed (`time_eager_summed`) is checked with an MoE's
+    routing recorded by a rerun that sums as it did: a rerun that did not would round
+    otherwise and could cross a near-tie the run did not (a gpt-oss-20b-like bf16 run's step
+    was then 0.20 off its reference, against bf16's 4e-2)."""
+    from kit.engine import routing_replay
+    from kit.engine.layers.attention import summed_form
+    from kit.studies import decode_timing
+    reruns, real = [], routing_replay.generate
+    monkeypatch.setattr(routing_replay, "generate",
+                        lambda *a, **k: reruns.append(summed_form()) or real(*a, **k))
+    moe = kit.load("cpu-small", model="tiny-moe").arch
+    model, prompts, batch, _ = paged_run(moe, "float32", block_size=16)
+    timing = decode_timing.StrategyTiming(decode_timing.EAGER_SUMMED, len(prompts))
+    for _ in range(2):
+        decode_timing.time_eager_summed(model, batch, prompts, STEPS, timing, "float32")
+    assert reruns == [True] and len(timing.runs) == 2
+    assert timing.correctness.ok and timing.correctness.routing.positions > 0
+
+
 EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run

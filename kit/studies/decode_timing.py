@@ -218,14 +218,16 @@ def time_eager_summed(model: Decoder, batch: PagedBatch, prompts: list[torch.Ten
                       steps: int, timing: StrategyTiming, dtype: str) -> None:
     """One more timed run, appended to `timing`: the eager step with the paged attention
     summed (`summed_attention`), as every compiled strategy runs it; its first run is checked
-    against the reference. Called after each round of `time_strategies`."""
+    against the reference, its routing recorded by a rerun that sums as the run did (or it may
+    cross a near-tie the run did not). Called after each round of `time_strategies`."""
     first = not timing.runs
     with summed_attention():
         run = generate(model, batch, prompts, steps, keep_logits=first)
+        if first:
+            timing.correctness = check_routed_against_no_cache(model, batch, prompts, run,
+                                                               dtype)
     timing.runs.append(run.step_seconds)
     timing.prefills.append(run.prefill_seconds)
-    if first:
-        timing.correctness = check_routed_against_no_cache(model, batch, prompts, run, dtype)
 
 
 # --- the whole measurement --------------------------------------------------------------------
