@@ -488,6 +488,37 @@ def test_the_eager_summed_runs_routing_is_recorded_by_a_rerun_that_sums(monkeypa
     assert timing.correctness.ok and timing.correctness.routing.positions > 0
 
 
+def test_an_moe_multiplying_bf16_weights_in_float32_compiles_rounding_as_eager_code():
+    """Where 16-bit weights are multiplied in float32 (`Decoder.multiply_in`), a model with
+    experts compiles with eager's casts emulated (`cpu_inductor_config`): its compiled MoE
+    layer then equals the eager one in nearly every element. Without them Inductor keeps
+    float32 between fused ops where eager code rounds (about a third of the elements equal),
+    and a router's picks follow that difference. A dense model's settings only freeze."""
+    from kit.engine.decode_runners import CPU_FREEZING, cpu_inductor_config
+    from kit.engine.layers.experts import SparseMoE
+    arch = kit.load("cpu-small", model="tiny-moe").arch
+    moe_model = build_model(arch, "bfloat16", "cpu")
+    assert cpu_inductor_config(build_model(ARCHS["gqa"], "bfloat16", "cpu"),
+                               torch.float32) == CPU_FREEZING
+    assert cpu_inductor_config(moe_model, None) == CPU_FREEZING
+    casts = cpu_inductor_config(moe_model, torch.float32)
+    torch.manual_seed(0)
+    moe = SparseMoE(arch).to(torch.bfloat16).requires_grad_(False)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    moe.gate.matmul_dtype = moe.experts.matmul_dtype = torch.float32
+    x = torch.randn(5, arch.hidden_size, dtype=torch.bfloat16)
+    eager = moe(x).float()
+    diff = {}
+    for name, config in (("plain", CPU_FREEZING), ("casts", casts)):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(config):
+            diff[name] = (torch.compile(moe, fullgraph=True)(x).float() - eager).abs()
+    print({n: f"{(d == 0).float().mean():.3f} equal, mean {d.mean():.1e}" for n, d in diff.items()})
+    assert (diff["casts"] == 0).float().mean() >= 0.95
+    assert diff["casts"].mean() * 10 < diff["plain"].mean()
+
+
 EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run

@@ -11,6 +11,7 @@ import time
 import torch
 
 from kit.engine.decode import PagedBatch, prefill_function, step_function
+from kit.engine.expert_picks import moe_layers
 from kit.engine.model import Decoder
 from kit.engine.runners import Runner, make_runner
 from kit.measure.device import onednn_has_kernels, synchronize
@@ -42,6 +43,23 @@ def compiled_matmul_dtype(model: Decoder, device: str) -> torch.dtype | None:
     return None
 
 
+def cpu_inductor_config(model: Decoder, matmul_dtype: torch.dtype | None) -> dict:
+    """Inductor's settings for the CPU's compiled runners: the weights frozen (CPU_FREEZING),
+    and eager's casts emulated where a model routes through experts and its 16-bit weights are
+    multiplied in float32 (`matmul_dtype`). `linear` rounds such a product back to the
+    activations' dtype, as eager code rounds every op's result, but Inductor drops a downcast
+    that a fused op reads back unless told to emulate eager's casts, so the run keeps in
+    float32 what the eager no-cache reference rounds. A dense model's logits carry that only
+    as rounding (tiny's stay within bf16's tolerance, its step 3% quicker without the casts);
+    a router turns it into other experts: a gpt-oss-20b-like bf16 run (batch 8, 128-token
+    prompts, AVX2) was 3.5e-2 from its reference at the prefill (tolerance 4e-2), its routers
+    picking other experts than the reference's across gaps of up to 7.5e-2 of their logits;
+    with the casts 1.3e-2 and 1.8e-2, the step as quick (README, "On CPUs without native
+    bf16")."""
+    casts = matmul_dtype is not None and bool(moe_layers(model))
+    return {**CPU_FREEZING, **({"emulate_precision_casts": True} if casts else {})}
+
+
 @torch.no_grad()
 def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
                   strategy: str, prefill=None) -> Runner:
@@ -51,19 +69,22 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     Shapes are fixed by the batch (nothing marked dynamic) but on the CPU when the products run
     in float32 (CPU_FLOAT32_DYNAMIC); a CUDA graph is captured for exactly this batch size, on
     the batch's own tensors, so no padded row ever writes. On the CPU, compiled strategies
-    freeze the weights (CPU_FREEZING), in float32 where 16-bit products are emulated
-    (`compiled_matmul_dtype`)."""
+    freeze the weights, in float32 where 16-bit products are emulated
+    (`compiled_matmul_dtype`), a model with experts then rounding as eager code does
+    (`cpu_inductor_config`)."""
     device = batch.kv_cache.device.type
     matmul_dtype = compiled_matmul_dtype(model, device)
     model.multiply_in(matmul_dtype)
     float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
+    on_cpu = device == "cpu"
     batch.start(model, prompts, prefill)
     batch.make_room()
     runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
                          batch.step_args(),
-                         dynamic_dims=CPU_FLOAT32_DYNAMIC if device == "cpu" and float32 else {},
+                         dynamic_dims=CPU_FLOAT32_DYNAMIC if on_cpu and float32 else {},
                          capture_sizes=[len(prompts)],
-                         inductor_config=CPU_FREEZING if device == "cpu" else None)
+                         inductor_config=cpu_inductor_config(model, matmul_dtype) if on_cpu
+                         else None)
     batch.positions.add_(1)  # the runner's first call was the step at these positions
     return runner
 
@@ -78,14 +99,15 @@ def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor
     device = batch.kv_cache.device.type
     if device != "cpu":
         return None
-    model.multiply_in(compiled_matmul_dtype(model, device))
+    matmul_dtype = compiled_matmul_dtype(model, device)
+    model.multiply_in(matmul_dtype)
     model.bind_kv_cache(batch.layout)  # compiled before any run has bound it
     ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
     slots = torch.arange(ids.numel(), device=device).repeat(len(batch.groups), 1)
     return make_runner(prefill_function(model), "guard_free", device,
                        (ids.to(device), slots, batch.kv_cache, *batch.state_args),
                        dynamic_dims=PREFILL_DYNAMIC,
-                       inductor_config=CPU_FREEZING)
+                       inductor_config=cpu_inductor_config(model, matmul_dtype))
 
 
 class SharedPrefill:
