@@ -146,10 +146,10 @@ def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
     """The kit's side of the comparison: chapter 04's paged decode, one whole generation per
     turn (the first checked against the no-cache reference); with no engine taking turns,
     `stop` times them alone. The compiled mode first: its prefill compiles before any run."""
-    from kit.studies.vllm_side_by_side import KitTurns
+    from kit.studies.vllm_side_by_side import KitTurns, kit_strategy
     settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
     turns = KitTurns(settings, KVCacheLayout.for_settings(settings))
-    compiled = turns.start("compiled")
+    compiled = turns.start("compiled", kit_strategy("compiled", settings.device))
     if settings.device == "cpu":  # one compiled prefill, built once, shared by the strategies
         assert turns.prefill is not None
         assert turns.shared_prefill.for_strategy("stock") is turns.prefill
@@ -157,7 +157,7 @@ def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
     turns.stop(turns_alone=1)
     assert compiled.strategy == "guard_free" and compiled.error is None
     assert compiled.compile_seconds > 0 and len(compiled.step_seconds) == 4
-    eager = turns.start("eager")
+    eager = turns.start("eager", kit_strategy("eager", settings.device))
     turns.turn()
     turns.stop(turns_alone=1)
     turns.close()
@@ -409,6 +409,7 @@ def test_best_against_best_takes_each_sides_quickest_mode():
     (["-p", "kv_cache_memory_bytes=None"], "kv_cache_memory_bytes"),
     (["--modes", "eager,fast"], "--modes eager,fast: give one or both of eager, compiled"),
     (["--modes", "compiled,compiled"], "each once"),
+    (["--kit", "fastest"], "--kit fastest: on "),
 ])
 def test_bench_vllm_refuses_bad_input_before_any_work(tmp_path, capsys, args, message):
     from kit.cli.main import main

@@ -34,6 +34,10 @@ def add_vllm_cli(benchmarks, common) -> None:
                    help="which of vLLM's modes, each beside the kit's match (default "
                    "eager,compiled; compiled alone skips the eager pair, the slow one on "
                    "a large model)")
+    p.add_argument("--kit", default=None, metavar="STRATEGY", dest="kit_strategy",
+                   help="the kit's strategy beside every mode (default: eager beside eager, "
+                   "compiled beside compiled); e.g. guard_free, its best, beside each of "
+                   "vLLM's modes in the same minutes")
     p.set_defaults(func=bench_vllm)
 
 
@@ -48,6 +52,14 @@ def parse_modes(text: str | None) -> tuple[str, ...]:
         raise ConfigError(f"--modes {text}: give one or both of {', '.join(MODES)}, "
                           "comma-separated, each once")
     return modes
+
+
+def check_kit_strategy(strategy: str | None, device: str) -> None:
+    """Refuses a `--kit` strategy that cannot run on the device, before anything starts."""
+    from kit.config import available_strategies
+    if strategy is not None and strategy not in available_strategies(device):
+        raise ConfigError(f"--kit {strategy}: on {device} use one of "
+                          f"{', '.join(available_strategies(device))}")
 
 
 def settings_for(preset: str, params: list[str]):
@@ -65,6 +77,7 @@ def bench_vllm(args) -> int:
     from kit.vllm.installed import vllm_missing, vllm_version
     settings = settings_for(args.preset, args.param)
     modes = parse_modes(args.modes)
+    check_kit_strategy(args.kit_strategy, settings.device)
     vllm_side_by_side.chapter_budget(settings)
     missing = vllm_missing()
     if missing:
@@ -76,7 +89,7 @@ def bench_vllm(args) -> int:
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
     kit, runs = vllm_side_by_side.side_by_side(settings, KVCacheLayout.for_settings(settings),
                                                folder, progress=lambda m: print(m, flush=True),
-                                               modes=modes)
+                                               modes=modes, strategy=args.kit_strategy)
     started = {m: r for m, r in runs.items() if r.ok}
     comparisons = vllm_side_by_side.decode_comparison(kit, started)
     result = {"preset": args.preset, "parameters": parse_params(args.param), "modes": modes,

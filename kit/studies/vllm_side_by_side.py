@@ -219,8 +219,7 @@ class KitTurns:
         self.decodes: dict[str, KitDecode] = {}
         self.mode = self.runner = self.prefill = None
 
-    def start(self, mode: str) -> KitDecode:
-        strategy = kit_strategy(mode, self.settings.device)
+    def start(self, mode: str, strategy: str) -> KitDecode:
         decode = self.decodes[mode] = KitDecode(mode, strategy)
         self.mode, self.runner = mode, None
         try:
@@ -265,21 +264,22 @@ class KitTurns:
         shutil.rmtree(self.weights, ignore_errors=True)
 
 
-def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print,
-                 modes=MODES) -> tuple[dict[str, KitDecode], dict[str, EngineRun]]:
-    """For each mode: the kit's strategy (decoding in the run's KV cache, `layout`) warmed up,
-    then vLLM started in that mode, and after each of its generations (the warm-up's included)
-    the kit runs one: both sides timed in the
-    same minutes, so a busy neighbour slows both alike. Each engine is shut down before the
-    next starts; its start-up log is saved in `folder`. Where vLLM does not start, the kit
-    still times its generations alone."""
+def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print, modes=MODES,
+                 strategy: str | None = None) -> tuple[dict[str, KitDecode], dict[str, EngineRun]]:
+    """For each mode: the kit's strategy (`kit_strategy`'s match, or `strategy` beside every
+    mode; decoding in the run's KV cache, `layout`) warmed up, then vLLM started in that mode,
+    and after each of its generations (the warm-up's included) the kit runs one: both sides
+    timed in the same minutes, so a busy neighbour slows both alike. Each engine is shut down
+    before the next starts; its start-up log is saved in `folder`. Where vLLM does not start,
+    the kit still times its generations alone."""
     kit = KitTurns(settings, layout)
     repeats = max(2, -(-DECODE_STEPS // max(1, kit.steps)))
     runs = {}
     try:
         for mode in modes:
-            progress(f"kit {mode} ({kit_strategy(mode, settings.device)}): warming up ...")
-            decode = kit.start(mode)
+            ours = strategy or kit_strategy(mode, settings.device)
+            progress(f"kit {mode} ({ours}): warming up ...")
+            decode = kit.start(mode, ours)
             progress(f"  {decode.error}" if decode.error else
                      f"  first call {decode.compile_seconds:.1f} s")
             progress(f"starting vLLM ({mode}), the kit taking a turn after each generation ...")
@@ -392,7 +392,6 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
             k.end_to_end_seconds if k else None, run.end_to_end_median,
             same_tokens(k.tokens, run.tokens) if k else None))
     return out
-
 
 
 def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) -> float | None:
