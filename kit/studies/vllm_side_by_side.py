@@ -202,7 +202,7 @@ class KitTurns:
     """The kit's side of the decode comparison (chapter 04's paged decode), run in turns with
     vLLM's engine, which loads the kit's weights (`weights`) and prompts (an MoE's bytes follow
     its routing: on dummy weights vLLM's gpt-oss-like tokens all picked the same 4 of 32).
-    `start(mode)` warms the mode's strategy up (compiling it and, on the CPU, the prefill),
+    `start(mode, strategy)` warms the strategy up (compiling it and, on the CPU, the prefill),
     then each `turn()` runs and times one whole generation (prefill, then `output_len - 1`
     steps), the first checked against the no-cache reference; `stop()` discards the runner.
     A failure is recorded in the mode's `error`, never raised (it runs in vLLM's loop)."""
