@@ -409,7 +409,8 @@ def test_best_against_best_takes_each_sides_quickest_mode():
     (["-p", "kv_cache_memory_bytes=None"], "kv_cache_memory_bytes"),
     (["--modes", "eager,fast"], "--modes eager,fast: give one or both of eager, compiled"),
     (["--modes", "compiled,compiled"], "each once"),
-    (["--kit", "fastest"], "--kit fastest: on "),
+    (["-p", "strategies=fastest"], "unknown strategies ['fastest']"),
+    (["-p", "strategies=eager,guard_free"], "runs one kit strategy beside every mode"),
 ])
 def test_bench_vllm_refuses_bad_input_before_any_work(tmp_path, capsys, args, message):
     from kit.cli.main import main

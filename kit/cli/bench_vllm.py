@@ -34,10 +34,6 @@ def add_vllm_cli(benchmarks, common) -> None:
                    help="which of vLLM's modes, each beside the kit's match (default "
                    "eager,compiled; compiled alone skips the eager pair, the slow one on "
                    "a large model)")
-    p.add_argument("--kit", default=None, metavar="STRATEGY", dest="kit_strategy",
-                   help="the kit's strategy beside every mode (default: eager beside eager, "
-                   "compiled beside compiled); e.g. guard_free, its best, beside each of "
-                   "vLLM's modes in the same minutes")
     p.set_defaults(func=bench_vllm)
 
 
@@ -54,12 +50,14 @@ def parse_modes(text: str | None) -> tuple[str, ...]:
     return modes
 
 
-def check_kit_strategy(strategy: str | None, device: str) -> None:
-    """Refuses a `--kit` strategy that cannot run on the device, before anything starts."""
-    from kit.config import available_strategies
-    if strategy is not None and strategy not in available_strategies(device):
-        raise ConfigError(f"--kit {strategy}: on {device} use one of "
-                          f"{', '.join(available_strategies(device))}")
+def kit_strategy_of(settings) -> str | None:
+    """`-p strategies=NAME` (checked with the settings): the kit's strategy beside every mode,
+    e.g. guard_free, its best, beside each of vLLM's modes in the same minutes; None (the
+    default): eager beside eager, compiled beside compiled. More than one is refused."""
+    if settings.strategies and len(settings.strategies) > 1:
+        raise ConfigError(f"strategies={','.join(settings.strategies)}: bench vllm runs one "
+                          "kit strategy beside every mode; give one, e.g. -p strategies=guard_free")
+    return settings.strategies[0] if settings.strategies else None
 
 
 def settings_for(preset: str, params: list[str]):
@@ -77,7 +75,7 @@ def bench_vllm(args) -> int:
     from kit.vllm.installed import vllm_missing, vllm_version
     settings = settings_for(args.preset, args.param)
     modes = parse_modes(args.modes)
-    check_kit_strategy(args.kit_strategy, settings.device)
+    strategy = kit_strategy_of(settings)
     vllm_side_by_side.chapter_budget(settings)
     missing = vllm_missing()
     if missing:
@@ -89,7 +87,7 @@ def bench_vllm(args) -> int:
           f"{settings.input_len} prompt tokens, {settings.output_len} generated", flush=True)
     kit, runs = vllm_side_by_side.side_by_side(settings, KVCacheLayout.for_settings(settings),
                                                folder, progress=lambda m: print(m, flush=True),
-                                               modes=modes, strategy=args.kit_strategy)
+                                               modes=modes, strategy=strategy)
     started = {m: r for m, r in runs.items() if r.ok}
     comparisons = vllm_side_by_side.decode_comparison(kit, started)
     result = {"preset": args.preset, "parameters": parse_params(args.param), "modes": modes,
