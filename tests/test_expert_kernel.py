@@ -19,6 +19,8 @@ def by_definition(rows, weights, experts):
     (16, 33, 100, 8, 4),   # a last task of one row
     (128, 96, 2048, 8, 8),  # Qwen3-30B-A3B's expert count and rows, narrow
     (3, 17, 48, 1, 1),     # one token
+    (1, 40, 75, 7, 1),     # one group of 7 rows (a dense layer's batch): tiles of 3, 3 and 1
+    (2, 48, 64, 5, 2),     # groups of 5 rows: a tile of 3, then of 2
 ])
 def test_the_kernel_equals_the_definition(dtype, e, n, k, tokens, top):
     torch.manual_seed(0)
@@ -30,6 +32,29 @@ def test_the_kernel_equals_the_definition(dtype, e, n, k, tokens, top):
     want = by_definition(rows, weights, experts)
     assert (got.double() - want).abs().max() <= (1e-6 if dtype == torch.float32 else 1e-2) \
         * want.abs().max()
+
+
+def test_a_groups_rows_multiplied_together_equal_each_row_multiplied_alone():
+    """Several rows of a group run in tiles that load each weight vector once for all of them,
+    summing every product in the order a single row's is summed."""
+    torch.manual_seed(0)
+    weights = torch.randn(3, 64, 2048)
+    experts = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 2, 2])
+    rows = torch.randn(len(experts), 2048)
+    together = expert_products(rows, weights, experts)
+    alone = torch.cat([expert_products(r[None], weights, e[None]) for r, e in zip(rows, experts)])
+    torch.testing.assert_close(together, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_a_dense_weight_is_multiplied_as_one_experts():
+    """`weight_products`: x [..., K] times a weight [N, K]ᵀ plus its bias, as F.linear."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(2, 3, 96), torch.randn(40, 96), torch.randn(40)
+    got = expert_kernel.weight_products(x, weight, bias)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(expert_kernel.weight_products(x, weight),
+                               torch.nn.functional.linear(x, weight))
 
 
 def test_no_rows_give_no_output_and_unpicked_experts_are_never_read():

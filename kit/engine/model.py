@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from kit.config import ModelConfig
+from kit.engine.huge_pages import on_huge_pages
 from kit.engine.layers.attention import Attention, AttentionMetadata
-from kit.engine.layers.linear import Linear, linear
+from kit.engine.layers.linear import Linear, linear, streams
 from kit.engine.layers.mamba2 import Mamba2Mixer
 from kit.engine.layers.experts import Experts, SparseMoE
 from kit.engine.layers.gated_delta import GatedDeltaNet, HeadGatedNorm
@@ -153,6 +154,7 @@ class Decoder(nn.Module):
     """The whole model. Build it with `build_model`, which places and initializes the weights."""
 
     matmul_dtype: torch.dtype | None = None  # compiled code's products (`multiply_in`)
+    few_rows: bool = False  # compiled, the logits' product in the expert kernel (`stream_products`)
 
     def __init__(self, arch: ModelConfig):
         super().__init__()
@@ -235,7 +237,7 @@ class Decoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype)
+        logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype, few_rows=self.few_rows)
         if self.arch.hybrid and self.arch.hybrid.logits_scaling != 1.0:  # Granite
             logits = logits / self.arch.hybrid.logits_scaling
         cap = self.arch.final_logit_softcapping
@@ -264,6 +266,18 @@ class Decoder(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, Experts)):  # the experts: `Experts.one_kernel`
                 module.matmul_dtype = dtype
+
+    def stream_products(self, on: bool) -> None:
+        """Compiled code multiplies each float32 CPU weight (every `Linear`'s and the logits')
+        in the expert kernel (`on`: a decode step of at most `FEW_ROWS` rows; the decode runner
+        sets it, the prefill's clears it), each weight row read from memory once for all the
+        step's rows, not in Inductor's frozen oneDNN product (`kit.engine.layers.linear`).
+        Eager code is unchanged."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.few_rows = streams(weight, on)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.few_rows = streams(module.weight, on)
 
 
 @torch.no_grad()
@@ -312,14 +326,16 @@ def keep_float32(model: nn.Module) -> nn.Module:
 
 
 def build_model(arch: ModelConfig, dtype: str, device: str, seed: int = 0) -> Decoder:
-    """Allocate the weights directly on `device` in `dtype` (no fp32 copy), then draw them
-    from `seed`, or read them from `arch.checkpoint` when the model is a checkpoint folder."""
+    """Allocate the weights directly on `device` in `dtype` (no fp32 copy; a CPU's large ones
+    on huge pages, `kit.engine.huge_pages`), then draw them from `seed`, or read them from
+    `arch.checkpoint` when the model is a checkpoint folder."""
     if arch.checkpoint:  # a bad folder is refused before the weights are allocated
         from kit.engine.checkpoint import check_checkpoint, load_checkpoint
         check_checkpoint(arch)
     with torch.device("meta"):
         model = keep_float32(Decoder(arch).to(torch_dtype(dtype)))
     model = model.to_empty(device=device)
+    on_huge_pages(model)  # the CPU's large weights (empty still, so nothing is copied)
     if arch.checkpoint:
         load_checkpoint(model, arch)
     else:

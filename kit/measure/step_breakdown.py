@@ -38,8 +38,10 @@ from kit.measure.profile_rows import ProfileRow, rows_from_profile
 from kit.units import Bytes, BytesPerSecond, Count, Fraction, Seconds
 
 # The CPU's host ops: a linear is aten::mm or aten::addmm; Inductor calls the prepacked oneDNN
-# linear as mkldnn::_linear_pointwise; aten::bmm (the eager attention) is everything else.
-GEMM = re.compile(r"linear|addmm|aten::mm\b|gemm|cutlass|xmma|nvjet", re.I)
+# linear as mkldnn::_linear_pointwise; the kit's kernel (kit::expert_products) multiplies the
+# experts and, in a compiled decode step of few rows, large dense weights; aten::bmm (the eager
+# attention) is everything else.
+GEMM = re.compile(r"linear|addmm|aten::mm\b|gemm|expert_products|cutlass|xmma|nvjet", re.I)
 SAMPLING = re.compile(r"argmax")
 PARTS = ("weight matmuls", "sampling", "everything else")
 

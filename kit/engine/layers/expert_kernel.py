@@ -13,6 +13,10 @@ The kernel is C, built on first use by the machine's C compiler for the machine 
 `KIT_CACHE_DIR` under a name that holds the source, the compiler and the CPU's features. Where
 it cannot be built (no C compiler or no OpenMP), `library()` says why once and the experts
 multiply as they did before. One opaque op to torch.compile, like `grouped_mm`.
+
+A dense weight is one expert (`weight_products`): a compiled CPU decode step of a few rows
+multiplies its large float32 weights here (`kit.engine.layers.linear.streams`), where Inductor's
+oneDNN product of 8 rows took 1.2-1.4x the kernel's time.
 """
 from __future__ import annotations
 
@@ -112,3 +116,12 @@ def expert_products(rows: torch.Tensor, weights: torch.Tensor,
 @expert_products.register_fake
 def _(rows, weights, experts):
     return rows.new_empty(rows.shape[0], weights.shape[1])
+
+
+def weight_products(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x [..., K] times one weight [N, K]ᵀ (+ bias), float32, as the kernel's one expert: a
+    dense layer's product with a decode step's few rows, each weight row read once for all."""
+    rows = x.reshape(-1, x.shape[-1])
+    experts = torch.zeros(rows.shape[0], dtype=torch.int64, device=x.device)
+    out = expert_products(rows, weight.unsqueeze(0), experts).view(*x.shape[:-1], -1)
+    return out if bias is None else out + bias
