@@ -268,11 +268,11 @@ class Decoder(nn.Module):
                 module.matmul_dtype = dtype
 
     def stream_products(self, on: bool) -> None:
-        """Compiled code multiplies each float32 CPU weight (every `Linear`'s and the logits')
-        in the expert kernel (`on`: a decode step of at most `FEW_ROWS` rows; the decode runner
-        sets it, the prefill's clears it), each weight row read from memory once for all the
-        step's rows, not in Inductor's frozen oneDNN product (`kit.engine.layers.linear`).
-        Eager code is unchanged."""
+        """Compiled code multiplies each large float32 CPU weight (`streams`: every `Linear`'s
+        and the logits') in the expert kernel (`on`: a decode step of at most `FEW_ROWS` rows;
+        the decode runner sets it, the prefill's clears it), each weight row read from memory
+        once for all the step's rows, not in Inductor's frozen oneDNN product
+        (`kit.engine.layers.linear`). Eager code is unchanged."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.few_rows = streams(weight, on)
         for module in self.modules():

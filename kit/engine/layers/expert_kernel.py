@@ -16,7 +16,7 @@ multiply as they did before. One opaque op to torch.compile, like `grouped_mm`.
 
 A dense weight is one expert (`weight_products`): a compiled CPU decode step of a few rows
 multiplies its large float32 weights here (`kit.engine.layers.linear.streams`), where Inductor's
-oneDNN product of 8 rows took 1.2-1.4x the kernel's time.
+oneDNN product of 4-8 rows took 1.2-1.5x the kernel's time.
 """
 from __future__ import annotations
 
