@@ -235,9 +235,14 @@ class Decoder(nn.Module):
         floor = torch.floor((positions.float() + 1.0) / self.arch.floor_scale)
         return torch.log1p(floor) * self.arch.attn_scale + 1.0
 
+    @property
+    def logits_weight(self) -> nn.Parameter:
+        """The LM head's weight: the embedding table itself where the two are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight, matmul_dtype=self.matmul_dtype, few_rows=self.few_rows)
+        logits = linear(hidden, self.logits_weight, matmul_dtype=self.matmul_dtype,
+                        few_rows=self.few_rows)
         if self.arch.hybrid and self.arch.hybrid.logits_scaling != 1.0:  # Granite
             logits = logits / self.arch.hybrid.logits_scaling
         cap = self.arch.final_logit_softcapping
@@ -273,8 +278,7 @@ class Decoder(nn.Module):
         the decode runner sets it, the prefill's clears it), each weight row read from memory
         once for all the step's rows, not in Inductor's frozen oneDNN product
         (`kit.engine.layers.linear`). Eager code is unchanged."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.few_rows = streams(weight, on)
+        self.few_rows = streams(self.logits_weight, on)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.few_rows = streams(module.weight, on)
