@@ -85,8 +85,7 @@ def test_only_large_float32_weights_are_streamed():
     """`Decoder.stream_products`: on, every float32 CPU weight of STREAMED_BYTES and rows of
     STREAMED_ROW or more is multiplied in the kernel (WIDE's logits), the rest as before; off,
     none; bf16 weights never."""
-    arch = WIDE
-    model = build_model(arch, "float32", "cpu")
+    model = build_model(WIDE, "float32", "cpu")
     model.stream_products(True)
     linears = [m for m in model.modules() if isinstance(m, linear_module.Linear)
                and m is not model.lm_head]  # (the logits' product reads `model.few_rows`)
@@ -94,7 +93,7 @@ def test_only_large_float32_weights_are_streamed():
     assert linears and not any(m.few_rows for m in linears)  # each under 16 MiB
     model.stream_products(False)
     assert not model.few_rows
-    bf16 = build_model(arch, "bfloat16", "cpu")
+    bf16 = build_model(WIDE, "bfloat16", "cpu")
     bf16.stream_products(True)
     assert not bf16.few_rows
 
