@@ -85,16 +85,26 @@ def engines(tmp_path_factory):
     bogus.mkdir()
     hf = kit.config.ModelConfig.load("tiny").hf_dict()
     (bogus / "config.json").write_text(json.dumps({**hf, "architectures": ["KitUnknownForCausalLM"]}))
+    hooks = vllm_hooks()
     failed = run_engine(bogus, "eager", block_size=128, max_model_len=1024, max_num_seqs=4,
                         max_num_batched_tokens=1024, dtype="bfloat16",
                         kv_cache_memory_bytes=2**26)
     settings = kit.load("cpu-small", block_size=128, kv_cache_memory_bytes="96MiB")
     tiny = run_settings(settings, "eager", folder, repeats=2)
-    return failed, tiny, settings
+    return failed, tiny, settings, vllm_hooks() - hooks
+
+
+def vllm_hooks() -> set:
+    """The Dynamo bytecode hooks vLLM's models registered in this process (each keeps its
+    model alive: `kit.vllm.installed.hooks_released`)."""
+    from torch._dynamo import convert_frame
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    return {key for key, hook in convert_frame._bytecode_hooks.items()
+            if isinstance(getattr(hook, "__self__", None), TorchCompileWithNoGuardsWrapper)}
 
 
 def test_an_unsupported_architecture_gives_a_clear_message(engines):
-    failed, _, _ = engines
+    failed, _, _, _ = engines
     assert not failed.ok and failed.num_blocks is None
     assert "KitUnknownForCausalLM" in failed.error and "not supported" in failed.error
     assert "Traceback" not in failed.error and len(failed.error) < 300
@@ -102,8 +112,9 @@ def test_an_unsupported_architecture_gives_a_clear_message(engines):
 
 
 def test_the_tiny_engine_starts_and_agrees_with_the_kit(engines):
-    _, run, settings = engines
+    _, run, settings, hooks_left = engines
     assert run.ok, run.error
+    assert not hooks_left  # nothing keeps the engines' models alive (`vllm_hooks`)
     assert run.block_size == 128 and run.compilation_mode == "NONE"
     assert run.specs_as_built  # the no-engine path builds the engine's own layer specs
     kit_side = kit_kv_config(KVCacheLayout.for_settings(settings), settings, 96 * 2**20)
@@ -114,7 +125,7 @@ def test_the_tiny_engine_starts_and_agrees_with_the_kit(engines):
 
 
 def test_the_tiny_engine_decodes(engines):
-    _, run, settings = engines
+    _, run, settings, _ = engines
     # every repeat's decode steps: output_len - 1 each (the first token comes from the prefill)
     assert len(run.decode_step_seconds) >= 2 * (settings.output_len - 1)
     assert all(s > 0 for s in run.decode_step_seconds)
@@ -532,6 +543,16 @@ def test_the_grid_holds_windows_that_multiply_concurrency_and_ones_that_cost_a_b
                 costs["chunk less" if blocks < full else "chunk more"] += blocks != full
     assert costs["less"] > 0 and costs["more"] > 0 and costs["chunk less"] > 0, costs
     assert costs["chunk more"] == 0, costs
+
+
+def test_the_sizers_models_leave_no_hook_behind(published):
+    """vLLM's compiled model classes register a bytecode hook that keeps the model alive until
+    a `cleanup()` vLLM never calls: the sizer's meta models leave none behind (nor do engines:
+    `test_the_tiny_engine_starts_and_agrees_with_the_kit`)."""
+    hooks = vllm_hooks()
+    sizer = VLLMSizer.build(published["qwen3-0.6b"], block_size=16, max_model_len=2048,
+                            kv_cache_dtype="auto", dtype="bfloat16")
+    assert sizer.size(2**30, 2048, 2048).num_blocks and vllm_hooks() <= hooks
 
 
 @pytest.mark.parametrize("name,block_size,cache_dtype", [

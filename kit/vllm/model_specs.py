@@ -118,11 +118,13 @@ def model_kv_specs(vllm_config) -> dict:
     vLLM's model on the meta device (`build_on_meta`), its block size then set as the engine
     sets it once the model is loaded (`update_block_size_for_backend`, which for a hybrid of
     attention and Mamba layers enlarges the attention block until a page holds a state),
-    collected (`collect_specs`), then `release`d."""
+    collected (`collect_specs`), then `release`d, its bytecode hooks dropped (`hooks_released`)."""
     from vllm.platforms import current_platform
+    from kit.vllm.installed import hooks_released
     vllm_config.compilation_config.static_forward_context.clear()
     try:
-        build_on_meta(vllm_config)
+        with hooks_released():
+            build_on_meta(vllm_config)
         current_platform.update_block_size_for_backend(vllm_config)  # as `UniProcExecutor`
         return per_rank(collect_specs(vllm_config), vllm_config)
     finally:
