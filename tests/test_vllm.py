@@ -25,7 +25,7 @@ from kit.studies.vllm_side_by_side import (agreement_grid, engine_agreement, kit
                                            kv_agreement)
 from kit.vllm.engine_runs import run_engine, run_settings
 from kit.vllm.concurrency import concurrency_curve
-from kit.vllm.installed import vllm_missing
+from kit.vllm.installed import model_hooks, vllm_missing
 from kit.vllm.kv_sizing import VLLMSizer, vllm_kv_sizing_for_folder
 from kit.vllm.model_folder import write_model_folder
 
@@ -85,22 +85,13 @@ def engines(tmp_path_factory):
     bogus.mkdir()
     hf = kit.config.ModelConfig.load("tiny").hf_dict()
     (bogus / "config.json").write_text(json.dumps({**hf, "architectures": ["KitUnknownForCausalLM"]}))
-    hooks = vllm_hooks()
+    hooks = model_hooks()
     failed = run_engine(bogus, "eager", block_size=128, max_model_len=1024, max_num_seqs=4,
                         max_num_batched_tokens=1024, dtype="bfloat16",
                         kv_cache_memory_bytes=2**26)
     settings = kit.load("cpu-small", block_size=128, kv_cache_memory_bytes="96MiB")
     tiny = run_settings(settings, "eager", folder, repeats=2)
-    return failed, tiny, settings, vllm_hooks() - hooks
-
-
-def vllm_hooks() -> set:
-    """The Dynamo bytecode hooks vLLM's models registered in this process (each keeps its
-    model alive: `kit.vllm.installed.hooks_released`)."""
-    from torch._dynamo import convert_frame
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-    return {key for key, hook in convert_frame._bytecode_hooks.items()
-            if isinstance(getattr(hook, "__self__", None), TorchCompileWithNoGuardsWrapper)}
+    return failed, tiny, settings, model_hooks() - hooks
 
 
 def test_an_unsupported_architecture_gives_a_clear_message(engines):
@@ -114,7 +105,7 @@ def test_an_unsupported_architecture_gives_a_clear_message(engines):
 def test_the_tiny_engine_starts_and_agrees_with_the_kit(engines):
     _, run, settings, hooks_left = engines
     assert run.ok, run.error
-    assert not hooks_left  # nothing keeps the engines' models alive (`vllm_hooks`)
+    assert not hooks_left  # nothing keeps the engines' models alive (`model_hooks`)
     assert run.block_size == 128 and run.compilation_mode == "NONE"
     assert run.specs_as_built  # the no-engine path builds the engine's own layer specs
     kit_side = kit_kv_config(KVCacheLayout.for_settings(settings), settings, 96 * 2**20)
@@ -549,10 +540,10 @@ def test_the_sizers_models_leave_no_hook_behind(published):
     """vLLM's compiled model classes register a bytecode hook that keeps the model alive until
     a `cleanup()` vLLM never calls: the sizer's meta models leave none behind (nor do engines:
     `test_the_tiny_engine_starts_and_agrees_with_the_kit`)."""
-    hooks = vllm_hooks()
+    hooks = model_hooks()
     sizer = VLLMSizer.build(published["qwen3-0.6b"], block_size=16, max_model_len=2048,
                             kv_cache_dtype="auto", dtype="bfloat16")
-    assert sizer.size(2**30, 2048, 2048).num_blocks and vllm_hooks() <= hooks
+    assert sizer.size(2**30, 2048, 2048).num_blocks and model_hooks() <= hooks
 
 
 @pytest.mark.parametrize("name,block_size,cache_dtype", [

@@ -52,12 +52,17 @@ def hooks_released():
     sizing of data/models (about 300,000 objects per model), each full `gc.collect` took 3-4
     s, and an engine start and stop runs about six (a token test went from 7 to 43 s)."""
     from torch._dynamo import convert_frame
-    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
-    hooks = convert_frame._bytecode_hooks
-    before = set(hooks)
+    before = model_hooks()
     try:
         yield
     finally:
-        for key in set(hooks) - before:
-            if isinstance(getattr(hooks[key], "__self__", None), TorchCompileWithNoGuardsWrapper):
-                del hooks[key]
+        for key in model_hooks() - before:
+            del convert_frame._bytecode_hooks[key]
+
+
+def model_hooks() -> set:
+    """The keys of the Dynamo bytecode hooks that vLLM's models registered in this process."""
+    from torch._dynamo import convert_frame
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    return {key for key, hook in convert_frame._bytecode_hooks.items()
+            if isinstance(getattr(hook, "__self__", None), TorchCompileWithNoGuardsWrapper)}
