@@ -7,7 +7,7 @@ import torch
 
 from kit.cli.main import main
 from kit.config import STRATEGIES, load
-from kit.engine.runners import make_runner
+from kit.engine.runners import CompiledGraphs, make_runner
 from kit.engine.serving_trace import decode_batch_sizes
 from kit.errors import ConfigError
 from kit.engine.model import build_model, dummy_batch
@@ -78,6 +78,37 @@ def test_discarding_the_profiling_compile_leaves_what_serving_alone_leaves(model
     discarded.warm((ids(4),))
     assert discarded.guards() == served_only.guards()
     assert len(kept.cache_entries()) == len(served_only.cache_entries()) + 1
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up, self.down = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_strategies_sharing_compiled_graphs_compile_once_per_set_of_weights():
+    """Runners given one CompiledGraphs: a second strategy on the same module takes the first's
+    Inductor graph (its own Dynamo cache and guards still), while a module of the same shapes
+    with other weights compiles its own, since freezing folds the weights into the graph."""
+    first, other, x = MLP(0), MLP(1), torch.randn(4, 64)
+    shared, frozen = CompiledGraphs(), {"freezing": True}
+    stock = make_runner(first.forward, "stock", "cpu", (x,), inductor_config=frozen, shared=shared)
+    free = make_runner(first.forward, "guard_free", "cpu", (x,), inductor_config=frozen,
+                       shared=shared)
+    own = make_runner(other.forward, "guard_free", "cpu", (x,), inductor_config=frozen,
+                      shared=shared)
+    assert (stock.reused_from, free.reused_from, own.reused_from) == (None, "stock", None)
+    assert free.graphs[0] is stock.graphs[0] and own.graphs[0] is not stock.graphs[0]
+    assert len(shared.graphs) == 2 and free.code is not stock.code
+    assert free.guards() == [0] and stock.guards()[0] > 0
+    for runner, module in ((stock, first), (free, first), (own, other)):
+        torch.testing.assert_close(runner(x[:3]), module(x[:3]), atol=1e-5, rtol=1e-5)
+    shared.clear()
+    assert shared.graphs == {}
 
 
 def test_bytecode_hook_runs_dynamos_code_without_dynamo(model):

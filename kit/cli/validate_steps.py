@@ -107,6 +107,7 @@ def profiler_table(settings, folder: Path, steps: int = 3) -> dict:
     from kit.engine.decode_runners import warm_up
     from kit.engine.kv_cache import KVCacheLayout, allocate
     from kit.engine.model import build_model
+    from kit.engine.runners import CompiledGraphs
     from kit.measure.device import synchronize
     from kit.measure.profile_rows import rows_from_profile, save_profile_tables
     from kit.measure.profiler import profiled
@@ -118,10 +119,10 @@ def profiler_table(settings, folder: Path, steps: int = 3) -> dict:
     cache = allocate(layout, peak_blocks(layout, lengths, 2 + steps), settings.device)
     batch, prompts = decode_inputs(settings, layout, cache)
     strategies = ["eager", "guard_free"] + (["cuda_graphs"] if settings.device == "cuda" else [])
-    tables = {}
+    tables, graphs = {}, CompiledGraphs()  # CUDA graphs capture guard-free's compiled step
     with torch.no_grad():
         for name in strategies:
-            runner, _ = warm_up(model, batch, prompts, 2 + steps, name)
+            runner, _ = warm_up(model, batch, prompts, 2 + steps, name, shared=graphs)
             with profiled(settings.device) as prof:
                 for _ in range(steps):
                     batch.step(runner)

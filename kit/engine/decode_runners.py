@@ -14,7 +14,7 @@ from kit.engine.decode import PagedBatch, prefill_function, step_function
 from kit.engine.expert_picks import moe_layers
 from kit.engine.layers.linear import FEW_ROWS
 from kit.engine.model import Decoder
-from kit.engine.runners import Runner, make_runner
+from kit.engine.runners import CompiledGraphs, Runner, make_runner
 from kit.measure.device import onednn_has_kernels, synchronize
 
 # On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
@@ -63,7 +63,7 @@ def cpu_inductor_config(model: Decoder, matmul_dtype: torch.dtype | None) -> dic
 
 @torch.no_grad()
 def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor],
-                  strategy: str, prefill=None) -> Runner:
+                  strategy: str, prefill=None, shared: CompiledGraphs | None = None) -> Runner:
     """`strategy`'s runner of the decode step, built (compiled, or its CUDA graph captured) by
     running the first step of a fresh run of `batch` (prefilled through `prefill`, eagerly by
     default), which is left ready for its second step.
@@ -73,7 +73,8 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     freeze the weights, in float32 where 16-bit products are emulated
     (`compiled_matmul_dtype`), a model with experts then rounding as eager code does
     (`cpu_inductor_config`); a step of at most FEW_ROWS sequences multiplies its float32
-    weights in the expert kernel (`Decoder.stream_products`)."""
+    weights in the expert kernel (`Decoder.stream_products`). `shared`: the step's compiled
+    graph, kept for the other strategies on this model and batch (`CompiledGraphs`)."""
     device = batch.kv_cache.device.type
     matmul_dtype = compiled_matmul_dtype(model, device)
     model.multiply_in(matmul_dtype)
@@ -87,7 +88,7 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
                          dynamic_dims=CPU_FLOAT32_DYNAMIC if on_cpu and float32 else {},
                          capture_sizes=[len(prompts)],
                          inductor_config=cpu_inductor_config(model, matmul_dtype) if on_cpu
-                         else None)
+                         else None, shared=shared)
     batch.positions.add_(1)  # the runner's first call was the step at these positions
     return runner
 
@@ -146,13 +147,14 @@ class SharedPrefill:
 
 @torch.no_grad()
 def warm_up(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], steps: int,
-            strategy: str, prefill=None, warmup_steps: int = 2):
+            strategy: str, prefill=None, warmup_steps: int = 2,
+            shared: CompiledGraphs | None = None):
     """A throw-away run (prefilled through `prefill`, eagerly by default) that builds
-    `strategy`'s runner of the step (compiling, or capturing a CUDA graph) and runs a few
-    steps; returns the runner and the run's seconds."""
+    `strategy`'s runner of the step (compiling, taking the graph from `shared`, or capturing a
+    CUDA graph) and runs a few steps; returns the runner and the run's seconds."""
     device = batch.kv_cache.device.type
     t0 = time.perf_counter()
-    runner = decode_runner(model, batch, prompts, strategy, prefill)
+    runner = decode_runner(model, batch, prompts, strategy, prefill, shared)
     for _ in range(min(warmup_steps, steps) - 1):  # stay within the table's width
         batch.step(runner)
     synchronize(device)

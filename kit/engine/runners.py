@@ -21,6 +21,9 @@ The strategies (`kit.config.STRATEGIES`), each a way of running the model:
 Every compiled runner compiles its own copy of the function's code object, so runners built
 on the same model never share Dynamo cache entries: each runner's guards and recompiles are
 its own, and `discard()` empties exactly its cache (what vLLM does after the profiling run).
+Runners given one `CompiledGraphs` (chapter 04's compiled strategies, on one model and one
+batch) compile the step once: the first runner's Inductor output serves the others, whose first
+call is then Dynamo's trace alone (`reused_from` names the strategy that compiled it).
 A runner is built warm: `make_runner` makes its first call with `example_args`, and
 `compile_seconds` is the time of that call. `cuda_graphs` then runs each capture size once and
 captures its graph; that time is `capture_seconds` (0 for the other runners), reported apart as
@@ -89,10 +92,52 @@ def count_guards(guard_manager) -> int:
     return walk(root)
 
 
+class CompiledGraphs:
+    """Inductor's output kept for the runners of one model and one batch. The compiled
+    strategies differ in how a call reaches the compiled code (guards, no guards, Dynamo's
+    bytecode called directly), not in the code: Dynamo traces the same FX graph for each, so the
+    first runner compiles it and the others take its output. On the CPU this is where the time
+    goes (freezing's oneDNN-packed weights keep Inductor's own FX graph cache from holding the
+    graph: 20-30 s a strategy for cpu-small's decode step on AVX2), and each frozen graph holds
+    its own copy of the weights. A graph is reused only for the same FX code, inputs of the same
+    shapes, strides and dtypes, the same parameter and buffer objects at the same versions
+    (what freezing folds in) and the same Inductor settings. The caller scopes it (one study's
+    runners) and clears it: the graphs it holds keep their frozen weights alive."""
+
+    def __init__(self):
+        self.graphs = {}  # key -> (compiled graph, the strategy that compiled it)
+
+    @staticmethod
+    def key(gm, example_inputs) -> tuple:
+        def meta(x):
+            if torch.is_tensor(x):
+                return tuple(map(str, x.shape)), tuple(map(str, x.stride())), x.dtype, x.device
+            return type(x).__name__, str(x)
+        held = [*gm.named_parameters(), *gm.named_buffers()]
+        settings = torch._inductor.config.get_config_copy()
+        return (gm.code, tuple(meta(x) for x in example_inputs),  # (inference tensors: no version)
+                tuple((name, id(t), None if t.is_inference() else t._version) for name, t in held),
+                repr(sorted(settings.items(), key=lambda item: item[0])))
+
+    def compile(self, gm, example_inputs, strategy: str):
+        """(graph, None) compiled now by Inductor, or (graph, strategy that compiled it)."""
+        from torch._inductor.compile_fx import compile_fx
+        key = self.key(gm, example_inputs)
+        if key in self.graphs:
+            return self.graphs[key]
+        graph = compile_fx(gm, example_inputs)
+        self.graphs[key] = (graph, strategy)
+        return graph, None
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+
 class Runner:
     """A step function run one way. Call it like the function."""
 
     strategy = "eager"
+    reused_from = None  # compiled runners given a CompiledGraphs: who compiled their graph
 
     def __init__(self, fn, device: str):
         self.fn, self.device = fn, device
@@ -134,9 +179,9 @@ class Compiled(Runner):
     strategy = "stock"
     guard_filter_fn = None
 
-    def __init__(self, fn, device: str, dynamic_dims: dict):
+    def __init__(self, fn, device: str, dynamic_dims: dict, shared: CompiledGraphs | None = None):
         super().__init__(fn, device)
-        self.dynamic_dims = dynamic_dims
+        self.dynamic_dims, self.shared = dynamic_dims, shared
         self.fn, self.func = fresh_function(fn)
         self.code = self.func.__code__
         self.graphs = []  # each graph Inductor compiled for this runner
@@ -149,8 +194,11 @@ class Compiled(Runner):
     def _backend(self, gm, example_inputs):
         """Inductor, as backend="inductor" runs it, keeping each compiled graph so that it can
         also be called directly, without Dynamo in front (see `direct_call`)."""
-        from torch._inductor.compile_fx import compile_fx
-        graph = compile_fx(gm, example_inputs)
+        if self.shared is not None:
+            graph, self.reused_from = self.shared.compile(gm, example_inputs, self.strategy)
+        else:
+            from torch._inductor.compile_fx import compile_fx
+            graph = compile_fx(gm, example_inputs)
         self.graphs.append(graph)
 
         def call(*args):  # Dynamo's transformed code calls the graph with flat inputs
@@ -214,13 +262,13 @@ class BytecodeHook(Compiled):
     strategy = "bytecode_hook"
     guard_filter_fn = staticmethod(drop_all_guards)
 
-    def __init__(self, fn, device: str, dynamic_dims: dict):
+    def __init__(self, fn, device: str, dynamic_dims: dict, shared: CompiledGraphs | None = None):
         hook = getattr(torch._dynamo.convert_frame, "register_bytecode_hook", None)
         if hook is None:
             raise ConfigError(
                 f"bytecode_hook needs torch._dynamo.convert_frame.register_bytecode_hook, "
                 f"which torch {torch.__version__} lacks; use guard_free")
-        super().__init__(fn, device, dynamic_dims)
+        super().__init__(fn, device, dynamic_dims, shared)
         self.dispatch = None
         me = weakref.ref(self)  # the hook registry is global: it must not keep runners alive
 
@@ -264,7 +312,8 @@ class CUDAGraphs(Runner):
 
     strategy = "cuda_graphs"
 
-    def __init__(self, fn, device: str, dynamic_dims: dict, capture_sizes):
+    def __init__(self, fn, device: str, dynamic_dims: dict, capture_sizes,
+                 shared: CompiledGraphs | None = None):
         if device != "cuda":
             raise ConfigError(f"cuda_graphs needs a CUDA device (device={device!r}); "
                               f"on this machine use one of {list(STRATEGIES[:-1])}")
@@ -272,7 +321,7 @@ class CUDAGraphs(Runner):
             raise ConfigError("cuda_graphs pads the batch along dimension 0 only: give "
                               "dynamic_dims as {argument index: 0}")
         super().__init__(fn, device)
-        self.inner = GuardFree(fn, device, dynamic_dims)
+        self.inner = GuardFree(fn, device, dynamic_dims, shared)
         self.code = self.inner.code
         self.batched = sorted(dynamic_dims)
         self.capture_sizes = sorted(capture_sizes)
@@ -282,6 +331,10 @@ class CUDAGraphs(Runner):
     @property
     def graphs_compiled(self) -> int:
         return self.inner.graphs_compiled
+
+    @property
+    def reused_from(self) -> str | None:
+        return self.inner.reused_from
 
     def _args_for(self, size: int) -> tuple:
         return tuple(a[:size] if i in self.batched else a for i, a in enumerate(self.static_args))
@@ -344,7 +397,8 @@ class CUDAGraphs(Runner):
 
 def make_runner(fn, strategy: str, device: str, example_args: tuple,
                 dynamic_dims: dict | None = None, capture_sizes=None,
-                inductor_config: dict | None = None) -> Runner:
+                inductor_config: dict | None = None,
+                shared: CompiledGraphs | None = None) -> Runner:
     """`fn` run by `strategy` (one of STRATEGIES), already warm: its first call, with
     `example_args`, has compiled it (timed in `compile_seconds`; a cuda_graphs runner's captures
     in `capture_seconds`). `dynamic_dims` maps argument index -> dimensions marked dynamic
@@ -352,20 +406,21 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
     `capture_sizes` (cuda_graphs) are the decode batch sizes captured (default: vLLM's list up
     to the example's batch size). `inductor_config` patches Inductor's settings for the first
     call, which compiles (e.g. {"freezing": True}: weights as constants, prepacked for oneDNN on
-    the CPU)."""
+    the CPU). `shared`: graphs compiled for runners of the same model and inputs, taken
+    instead of compiling again (`CompiledGraphs`)."""
     check_strategy(strategy)
     dims = DEFAULT_DYNAMIC_DIMS if dynamic_dims is None else dynamic_dims
     if strategy == "eager":
         runner = Runner(fn, device)
     elif strategy == "stock":
-        runner = Compiled(fn, device, dims)
+        runner = Compiled(fn, device, dims, shared)
     elif strategy == "guard_free":
-        runner = GuardFree(fn, device, dims)
+        runner = GuardFree(fn, device, dims, shared)
     elif strategy == "bytecode_hook":
-        runner = BytecodeHook(fn, device, dims)
+        runner = BytecodeHook(fn, device, dims, shared)
     else:
         batch = example_args[min(dims, default=0)].shape[0]
-        runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch))
+        runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch), shared)
     # Dynamo reads some of these too (freezing: parameters become constants), so they hold
     # for the whole first call, which traces and compiles.
     with torch._inductor.config.patch(inductor_config or {}):

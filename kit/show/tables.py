@@ -275,7 +275,8 @@ def decode_table(report) -> Table:
     """Chapter 04's strategies (`DecodeReport`): step times, floor, correctness, matmuls; the
     CUDA graph capture apart from the compile when a strategy captured one."""
     captured = any(t.capture_seconds for t in report.timings.values())
-    rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}",
+    rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}"
+             + (f" (graph: {t.reused_from}'s)" if t.reused_from else ""),
              **({"capture s": f"{t.capture_seconds:.2f}"} if captured else {}),
              "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
              "median ms": f"{t.median * 1e3:.2f}",

@@ -23,6 +23,7 @@ from kit.config import Settings, reference
 from kit.engine.decode import Correctness, PagedBatch, decode_inputs, generate
 from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
+from kit.engine.runners import CompiledGraphs
 from kit.engine.expert_picks import moe_layers, record_picks
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.layers.attention import summed_attention
@@ -51,6 +52,7 @@ class StrategyTiming:
     strategy: str
     num_seqs: int
     compile_seconds: float = 0.0   # the first call of the step: it compiles
+    reused_from: str | None = None  # the strategy that compiled the graph it took (None: its own)
     capture_seconds: float = 0.0   # cuda_graphs: the warm-up call and capture after the compile
     warmup_seconds: float = 0.0    # the whole warm-up run: its prefill, steps and compilation
     graphs_compiled: int = 0       # Inductor graphs behind the runner: 1 means no recompile
@@ -67,7 +69,14 @@ class StrategyTiming:
         between them when one was captured."""
         capture = (f"CUDA graph capture {self.capture_seconds:.2f} s, "
                    if self.capture_seconds else "")
-        return f"compile {self.compile_seconds:.2f} s, {capture}warm-up {self.warmup_seconds:.2f} s"
+        return (f"compile {self.compile_seconds:.2f} s{self.reused_note()}, {capture}"
+                f"warm-up {self.warmup_seconds:.2f} s")
+
+    def reused_note(self) -> str:
+        """" (Dynamo's trace; Inductor's graph from stock)" where the graph was reused."""
+        if self.reused_from is None:
+            return ""
+        return f" (Dynamo's trace; Inductor's graph from {self.reused_from})"
 
     @property
     def samples(self) -> Timings:
@@ -133,6 +142,7 @@ class StrategyTiming:
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "prefill": self.prefill,
+                "graph_reused_from": self.reused_from,
                 "graphs_compiled": Count.of(self.graphs_compiled), "guards": Count.of(self.guards),
                 **Seconds.of({"compile_seconds": self.compile_seconds,
                               "capture_seconds": self.capture_seconds,
@@ -158,22 +168,27 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
     the whole generation timed, so a noisy neighbour slows every strategy alike rather than
     whichever ran at the time; `after_round` is called after each round. The first timed run
     of each is checked against the reference; then `breakdown_steps` more steps of each are
-    profiled (none: no breakdown). The compiled strategies prefill through `SharedPrefill`."""
+    profiled (none: no breakdown). The compiled strategies prefill through `SharedPrefill`,
+    and the first of them compiles the step for all (`CompiledGraphs`): they differ in how a
+    call reaches the compiled graph, which is what the timed runs compare."""
     runners, timings, prefills = {}, {}, {}
-    shared = SharedPrefill(model, batch, prompts, progress)
+    shared, graphs = SharedPrefill(model, batch, prompts, progress), CompiledGraphs()
     for i, name in enumerate(strategies, 1):
         prefills[name] = shared.for_strategy(name)
         progress(f"[{i}/{len(strategies)}] {name}: warming up (compiling) ...")
-        runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name])
+        runner, seconds = warm_up(model, batch, prompts, steps, name, prefills[name],
+                                  shared=graphs)
         runners[name] = runner
         timings[name] = StrategyTiming(
             name, len(prompts), compile_seconds=runner.compile_seconds,
+            reused_from=runner.reused_from,
             capture_seconds=runner.capture_seconds, warmup_seconds=seconds,
             graphs_compiled=runner.graphs_compiled, guards=sum(runner.guards()[:1]),
             prefill="eager" if prefills[name] is None else "compiled")
         capture = (f", CUDA graph capture {runner.capture_seconds:.2f} s"
                    if runner.capture_seconds else "")
-        progress(f"  first call {runner.compile_seconds:.2f} s{capture}, "
+        progress(f"  first call {runner.compile_seconds:.2f} s{timings[name].reused_note()}"
+                 f"{capture}, "
                  f"warm-up run {seconds:.2f} s")
     for round_ in range(num_iters):
         progress(f"timed run {round_ + 1}/{num_iters}: "
@@ -201,6 +216,7 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
                                                        weight_bytes)
         runner.discard()
     shared.discard()
+    graphs.clear()
     return timings
 
 
