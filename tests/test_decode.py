@@ -394,13 +394,17 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     """Chapter 04's compiled step on the CPU multiplies by weights Inductor prepacked for oneDNN
     (mkldnn::_linear_pointwise) in both dtypes, never by MKL's packed GEMM (mkl::_mkl_linear),
     which Inductor picks for float32 when the batch is fixed; and its logits still equal the
-    no-cache reference."""
+    no-cache reference. A bf16 step multiplies in float32 where oneDNN has no bf16 kernels (as
+    on this CPU, or under the emulation below)."""
     from torch.profiler import profile
 
     from kit.engine.decode_runners import decode_runner
+    from kit.measure.device import onednn_has_kernels
     a = ARCHS["gqa"]
     model, prompts, batch, _ = paged_run(a, dtype)
     runner = decode_runner(model, batch, prompts, "guard_free")
+    emulated = dtype == "bfloat16" and not onednn_has_kernels(torch.bfloat16)
+    assert model.matmul_dtype == (torch.float32 if emulated else None)
     with profile() as prof:
         batch.step(runner)
     names = {e.key for e in prof.key_averages()}
@@ -539,7 +543,9 @@ def test_without_onednn_bf16_kernels_compiled_code_multiplies_in_float32():
     one, and Inductor cannot prepack bf16 weights: the decode runner multiplies in float32
     (weights converted once, frozen, prepacked for oneDNN: mkldnn::_linear_pointwise runs) and
     its logits equal the no-cache reference within bf16's tolerance. The model's own dtype
-    everywhere else."""
+    everywhere else. On a CPU that is such a machine (AVX2: no bf16 kernels), the bf16 case of
+    `test_the_compiled_cpu_step_runs_onednn_prepacked_linears` runs exactly this, unemulated,
+    so the emulated run (a compile of about 30 s) is left to CPUs with the kernels."""
     import subprocess
     import sys
     from kit.engine.decode_runners import compiled_matmul_dtype
@@ -548,6 +554,8 @@ def test_without_onednn_bf16_kernels_compiled_code_multiplies_in_float32():
     bf16 = build_model(ARCHS["gqa"], "bfloat16", "cpu")
     assert compiled_matmul_dtype(bf16, "cpu") == (None if onednn_has_kernels(torch.bfloat16)
                                                   else torch.float32)
+    if not onednn_has_kernels(torch.bfloat16):
+        return
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
            "PYTHONPATH": str(Path(__file__).parent.parent)}
     out = subprocess.run([sys.executable, "-c", EMULATED_AVX2], env=env, capture_output=True,
