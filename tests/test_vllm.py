@@ -151,12 +151,16 @@ def test_without_vllm_the_bridge_says_so():
     assert lines[1] == lines[0] == lines[2]
 
 
-def test_the_kits_turns_time_whole_generations_checked_against_the_reference():
+def test_the_kits_turns_time_whole_generations_checked_against_the_reference(tmp_path):
     """The kit's side of the comparison: chapter 04's paged decode, one whole generation per
     turn (the first checked against the no-cache reference); with no engine taking turns,
-    `stop` times them alone. The compiled mode first: its prefill compiles before any run."""
+    `stop` times them alone. The compiled mode first: its prefill compiles before any run.
+    On `tiny` cut to one layer: Inductor's compile grows with the layers (chapter 05 runs all)."""
     from kit.studies.vllm_side_by_side import KitTurns, kit_strategy
-    settings = kit.load("cpu-small", batch_size=2, input_len=16, output_len=5)
+    config = json.loads((MODELS_DIR / "tiny.json").read_text()) | {"num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings = kit.load("cpu-small", model=str(tmp_path / "config.json"), batch_size=2,
+                        input_len=16, output_len=5)
     turns = KitTurns(settings, KVCacheLayout.for_settings(settings))
     compiled = turns.start("compiled", kit_strategy("compiled", settings.device))
     if settings.device == "cpu":  # one compiled prefill, built once, shared by the strategies
