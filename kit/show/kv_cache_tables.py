@@ -1,6 +1,6 @@
 """Chapter 02's tables: the KV cache config's blocks, tokens and concurrency, the block manager's
-tables, one sequence's tables per group step by step, and the PR's Gemma-2B blocks in bytes.
-Each shows what a study returned."""
+tables, one sequence's tables per group step by step, and the PR's Gemma-2B blocks in bytes;
+chapter 05's agreement with vLLM's KV code per model. Each shows what a study returned."""
 from __future__ import annotations
 
 from kit.show.tables import Table, fmt_bytes
@@ -92,3 +92,16 @@ def hybrid_table(rows: list[dict]) -> Table:
                    "state padded": f'{r["padding"]:.2%}',
                    "groups × layers": f'{r["groups"]} × {r["layers_per_group"]}',
                    "blocks per 32k request": r["blocks_per_request"]} for r in rows])
+
+
+def grid_per_model_table(grid) -> Table:
+    """Chapter 05's agreement grid (`KVAgreement` rows) counted per model: cases, agreeing,
+    refused by both."""
+    per_model = {}
+    for r in grid:
+        m = per_model.setdefault(r.model, {"model": r.model, "cases": 0, "agree": 0,
+                                           "refused by both": 0})
+        m["cases"] += 1
+        m["agree"] += r.agree
+        m["refused by both"] += bool(r.kit_error and r.vllm_error)
+    return Table(list(per_model.values()), title="kit blocks = vLLM blocks, per model")

@@ -158,7 +158,10 @@ class KitDecode:
     mode: str
     strategy: str
     step_seconds: list[float] = field(default_factory=list)   # every decode step timed
+    # the step's first call and, where this mode built it, the compiled prefill's: vLLM's one
+    # compilation serves its prefill too (`prefill_compile_seconds`: that part alone)
     compile_seconds: float | None = None
+    prefill_compile_seconds: float | None = None
     error: str | None = None
     prefills: list[float] = field(default_factory=list)       # per generation
     generations: list[float] = field(default_factory=list)    # per generation: prefill + steps
@@ -178,7 +181,8 @@ class KitDecode:
 
     def summary(self) -> dict:
         return {"strategy": self.strategy, "median": Seconds.of(self.median), "error": self.error,
-                "compile_seconds": Seconds.of(self.compile_seconds)}
+                **Seconds.of({"compile_seconds": self.compile_seconds,
+                              "prefill_compile_seconds": self.prefill_compile_seconds})}
 
 
 def off_reference(check) -> str:
@@ -223,10 +227,14 @@ class KitTurns:
         decode = self.decodes[mode] = KitDecode(mode, strategy)
         self.mode, self.runner = mode, None
         try:
+            built = self.shared_prefill.runner is None
             self.prefill = self.shared_prefill.for_strategy(strategy)
+            if built and self.prefill is not None:
+                decode.prefill_compile_seconds = self.prefill.compile_seconds
             self.runner, _ = warm_up(self.model, self.batch, self.prompts, self.steps, strategy,
                                      self.prefill)
-            decode.compile_seconds = self.runner.compile_seconds
+            decode.compile_seconds = self.runner.compile_seconds + (
+                decode.prefill_compile_seconds or 0.0)
         except Exception as e:  # noqa: BLE001 - the chapter goes on to vLLM's side
             decode.error = f"{type(e).__name__}: {e}"
         return decode
@@ -280,8 +288,10 @@ def side_by_side(settings, layout: KVCacheLayout, folder: Path, progress=print, 
             ours = strategy or kit_strategy(mode, settings.device)
             progress(f"kit {mode} ({ours}): warming up ...")
             decode = kit.start(mode, ours)
+            prefill = decode.prefill_compile_seconds or 0.0
             progress(f"  {decode.error}" if decode.error else
-                     f"  first call {decode.compile_seconds:.1f} s")
+                     f"  first call {decode.compile_seconds - prefill:.1f} s" + (
+                         f", its compiled prefill {prefill:.1f} s" if prefill else ""))
             progress(f"starting vLLM ({mode}), the kit taking a turn after each generation ...")
             run = runs[mode] = run_settings(settings, mode, between=kit.turn, weights=kit.weights,
                                             prompts=[p.tolist() for p in kit.prompts])
@@ -436,14 +446,3 @@ def vllm_concurrency(models, budget_bytes: int, lengths: list[int], *, block_siz
                                  "all full attention": curve.full}), "error": curve.error}
     return out
 
-
-def grid_per_model(grid: list[KVAgreement]) -> list[dict]:
-    """The agreement grid counted per model: cases, agreeing, refused by both."""
-    per_model = {}
-    for r in grid:
-        m = per_model.setdefault(r.model, {"model": r.model, "cases": 0, "agree": 0,
-                                           "refused by both": 0})
-        m["cases"] += 1
-        m["agree"] += r.agree
-        m["refused by both"] += bool(r.kit_error and r.vllm_error)
-    return list(per_model.values())
