@@ -445,4 +445,3 @@ def vllm_concurrency(models, budget_bytes: int, lengths: list[int], *, block_siz
         out[name] = {**Ratio.of({"as configured": curve.windowed,
                                  "all full attention": curve.full}), "error": curve.error}
     return out
-
