@@ -66,17 +66,14 @@ class StrategyTiming:
 
     def warmup_line(self) -> str:
         """The warm-up's parts: "compile 1.20 s, warm-up 1.50 s", the CUDA graph's capture
-        between them when one was captured."""
+        between them when one was captured, and whose graph the compile took when it only
+        traced with Dynamo (`reused_from`)."""
+        reused = (f" (Dynamo's trace; Inductor's graph from {self.reused_from})"
+                  if self.reused_from else "")
         capture = (f"CUDA graph capture {self.capture_seconds:.2f} s, "
                    if self.capture_seconds else "")
-        return (f"compile {self.compile_seconds:.2f} s{self.reused_note()}, {capture}"
+        return (f"compile {self.compile_seconds:.2f} s{reused}, {capture}"
                 f"warm-up {self.warmup_seconds:.2f} s")
-
-    def reused_note(self) -> str:
-        """" (Dynamo's trace; Inductor's graph from stock)" where the graph was reused."""
-        if self.reused_from is None:
-            return ""
-        return f" (Dynamo's trace; Inductor's graph from {self.reused_from})"
 
     @property
     def samples(self) -> Timings:
@@ -185,11 +182,7 @@ def time_strategies(model: Decoder, batch: PagedBatch, prompts: list[torch.Tenso
             capture_seconds=runner.capture_seconds, warmup_seconds=seconds,
             graphs_compiled=runner.graphs_compiled, guards=sum(runner.guards()[:1]),
             prefill="eager" if prefills[name] is None else "compiled")
-        capture = (f", CUDA graph capture {runner.capture_seconds:.2f} s"
-                   if runner.capture_seconds else "")
-        progress(f"  first call {runner.compile_seconds:.2f} s{timings[name].reused_note()}"
-                 f"{capture}, "
-                 f"warm-up run {seconds:.2f} s")
+        progress(f"  {timings[name].warmup_line()}")
     for round_ in range(num_iters):
         progress(f"timed run {round_ + 1}/{num_iters}: "
                  f"{', '.join(strategies)}, {steps} steps each ...")
