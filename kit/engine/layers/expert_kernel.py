@@ -10,9 +10,12 @@ where the memory gives 30-40 (README, "Experts against vLLM's fused MoE").
 
 The kernel is C, built on first use by the machine's C compiler for the machine it runs on
 (`-march=native`: AVX-512 where there is AVX-512, AVX2 or NEON elsewhere) and kept in
-`KIT_CACHE_DIR` under a name that holds the source, the compiler and the CPU's features. Where
-it cannot be built (no C compiler or no OpenMP), `library()` says why once and the experts
-multiply as they did before. One opaque op to torch.compile, like `grouped_mm`.
+`KIT_CACHE_DIR` under a name that holds the source, the compiler and the CPU's features. A
+build is kept only after a trial product in a child process (`TRIAL`) lived and agreed with
+Python's sums: a kernel that would crash, or multiply wrong, on this CPU is never loaded here.
+Where it cannot be built or fails its trial (no C compiler, no OpenMP), `library()` says why
+once and the experts multiply as they did before. One opaque op to torch.compile, like
+`grouped_mm`.
 
 A dense weight is one expert (`weight_products`): a compiled CPU decode step of a few rows
 multiplies its large float32 weights here (`kit.engine.layers.linear.streams`), where Inductor's
@@ -34,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kit.config.data import CACHE
+from kit.measure.in_child import try_in_child
 
 SOURCE = Path(__file__).with_name("expert_products.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -58,14 +62,40 @@ def cpu_features() -> str:
     return platform.machine() + platform.processor()
 
 
+# A child's trial of a built kernel (its path in argv[1]): both functions on 3 rows of 40, two
+# experts of 10 rows (neither a whole number of vectors nor of a task's rows), against the sums
+# in Python; plain ctypes and arrays, no torch, so it takes a few hundredths of a second.
+TRIAL = """
+import array, ctypes, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+P, N, K = 3, 10, 40
+rows = array.array("f", [((p * 7 + k) % 5 - 2) / 4 for p in range(P) for k in range(K)])
+ids = array.array("q", [0, 0, 1])
+w = [((e * 3 + n * 5 + k) % 7 - 3) / 8 for e in range(2) for n in range(N) for k in range(K)]
+want = [sum(rows[p * K + k] * w[(ids[p] * N + n) * K + k] for k in range(K))
+        for p in range(P) for n in range(N)]
+bf16 = array.array("H", [struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in w])
+for name, weights in (("expert_products_f32", array.array("f", w)), ("expert_products_bf16", bf16)):
+    out = array.array("f", [0.0] * (P * N))
+    ptrs = [ctypes.c_void_p(a.buffer_info()[0]) for a in (rows, ids, weights, out)]
+    getattr(lib, name)(*ptrs, *map(ctypes.c_int64, (P, N, K)))
+    if any(abs(a - b) > 1e-4 for a, b in zip(out, want)):
+        sys.exit(f"{name} multiplied wrong: {list(out)[:4]} where {want[:4]}")
+"""
+
+
 def build(compiler: str, path: Path) -> None:
-    """Compile `SOURCE` into the shared library `path` (written aside, then moved in place, so
-    two processes building at once each load a whole file)."""
+    """Compile `SOURCE` into the shared library `path` and try it in a child process (`TRIAL`);
+    written aside, then moved in place, so two processes building at once each load a whole
+    file, and a kernel whose trial died or multiplied wrong is never put there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
         subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
                        check=True, capture_output=True, text=True)
+        failed = try_in_child(TRIAL, str(built), timeout=60)
+        if failed:
+            raise OSError(f"its trial product in a child process failed: {failed}")
         os.replace(built, path)
 
 
