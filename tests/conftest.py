@@ -11,6 +11,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # kernels and engines the tests start inherit it). Results are the same; tests time nothing.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from crash_safe_scheduling import CrashSafeLoadGroupScheduling  # noqa: E402
 from kit.execute.notebooks import run  # noqa: E402 (after the wait policy is set)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +27,14 @@ _SESSION_STARTED = pytest.StashKey[float]()
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
                 "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
                 "engines": "vllm_engines", "profiles": "memory_profiles"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` whose run ends after a worker dies (tests/crash_safe_scheduling.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        return CrashSafeLoadGroupScheduling(config, log)
+    return None
 
 
 @pytest.fixture(autouse=True)
