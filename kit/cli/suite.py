@@ -13,8 +13,9 @@ from pathlib import Path
 from kit.execute.notebooks import find_notebooks, parse_params, run
 from kit.results import bench_output
 
-# The whole suite on cpu-small, on a 2-core CPU without native bf16 (the machine described in
-# the README), with Inductor's cache empty (cold) or filled by an earlier run (warm).
+# The whole suite on cpu-small, on a 2-core CPU without native bf16 (the machines described in
+# docs/cpus.md, "The suite per chapter"), with Inductor's cache empty (cold) or filled by an
+# earlier run (warm).
 TARGETS = {"cpu-small": {"cold_seconds": 300, "warm_seconds": 150,
                          "machine": "2-core CPU without native bf16"}}
 

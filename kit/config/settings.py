@@ -25,8 +25,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Largest difference allowed between two computations of the same logits or outputs (paged
 # against no-cache, compiled against eager), relative to the reference's largest magnitude: a
 # few units in the last place of the dtype, grown through the layers (compiled code fuses and
-# reorders the arithmetic; a paged step rounds one token at a time). The README gives the
-# errors seen.
+# reorders the arithmetic; a paged step rounds one token at a time). docs/measurements.md
+# ("Tolerances", "Figures seen while building the kit") gives the errors seen.
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
 # vLLM's kv_cache_dtype names -> bytes per element; "auto" means the model's dtype.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1,

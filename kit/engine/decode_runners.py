@@ -2,7 +2,7 @@
 (`decode_runner`), the CPU's compiled prefill (`prefill_runner`, shared by every compiled
 strategy through `SharedPrefill`), and a throw-away run that warms a strategy up (`warm_up`).
 Which dtype compiled code multiplies in, and which dimensions it keeps symbolic, is decided
-here, per device (the README gives the rates behind each choice).
+here, per device (docs/measurements.md, "Decode steps", gives the rates behind each choice).
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from kit.measure.device import onednn_has_kernels, synchronize
 
 # On the CPU, compiled strategies freeze the weights: Inductor treats them as constants and
 # prepacks them for oneDNN, as vLLM's CPU backend prepacks its linear layers (faster at a
-# decode batch; the README gives the rates seen). The frozen copy costs one more copy of the
-# weights while the runner lives.
+# decode batch; docs/measurements.md, "Decode steps", gives the rates seen). The frozen copy
+# costs one more copy of the weights while the runner lives.
 CPU_FREEZING = {"freezing": True}
 # In float32 Inductor packs for oneDNN only when the batch is a symbol; with a fixed batch it
 # hands the weights to MKL's packed GEMM, which streamed a decode step's weights at a quarter of
-# oneDNN's rate on the AMD CPUs measured (README, "How the measurements work"). So on the CPU,
+# oneDNN's rate on the AMD CPUs measured (docs/measurements.md, "Decode steps"). So on the CPU,
 # where the products run in float32, the step's batch dimension is marked dynamic: input_ids,
 # positions, block_tables ([groups, seqs, width]).
 CPU_FLOAT32_DYNAMIC = {0: (0,), 1: (0,), 2: (1,)}
@@ -55,8 +55,8 @@ def cpu_inductor_config(model: Decoder, matmul_dtype: torch.dtype | None) -> dic
     a router turns it into other experts: a gpt-oss-20b-like bf16 run (batch 8, 128-token
     prompts, AVX2) was 3.5e-2 from its reference at the prefill (tolerance 4e-2), its routers
     picking other experts than the reference's across gaps of up to 7.5e-2 of their logits;
-    with the casts 1.3e-2 and 1.8e-2, the step as quick (README, "On CPUs without native
-    bf16")."""
+    with the casts 1.3e-2 and 1.8e-2, the step as quick (docs/experts.md,
+    "Compiled code rounds as eager code does")."""
     casts = matmul_dtype is not None and bool(moe_layers(model))
     return {**CPU_FREEZING, **({"emulate_precision_casts": True} if casts else {})}
 

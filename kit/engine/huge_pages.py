@@ -8,8 +8,8 @@ huge pages only where a program asks (`madvise(MADV_HUGEPAGE)`), and neither PyT
 allocator (unless THP_MEM_ALLOC_ENABLE=1) nor vLLM asks. `on_huge_pages` asks for the model's
 large weights, before they are drawn or read. On a 2-core AVX2 EPYC, reading from them took the
 expert kernel 4-9% less time, a plain sum over 400 MB 23-34% less, and a Qwen3-30B-A3B-like
-float32 decode step 6% less (the median of 13 interleaved rounds; README, "How the
-measurements work").
+float32 decode step 6% less (the median of 13 interleaved rounds; docs/measurements.md, "How a
+CPU step reads its weights").
 
 Where THP is "never", or off Linux, it moves nothing and says so (`huge_page_mode`).
 """

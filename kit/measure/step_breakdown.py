@@ -4,7 +4,7 @@ the matrix products that stream the weights, greedy sampling, and everything els
 The bandwidth floor says what a step *could* take; this says what its parts *do* take. The
 matrix products read every weight once per step, so their time alone gives the rate at which
 the device's matrix library streams weights at this batch size: the ceiling for any strategy
-built on that library (the README gives the rates seen).
+built on that library (docs/measurements.md, "Where the time goes", gives the rates seen).
 
 The steps broken down are extra steps, run after the timed ones. The profile's table
 (`kit.measure.profile_rows`) is split by name:

@@ -107,7 +107,8 @@ def summed_form() -> bool:
 
 # Compiled, the values' weighted sum runs over chunks of this many positions, then over the
 # chunks: one long sum per output is a chain of dependent additions, and shorter ones, side by
-# side, keep the CPU's vector units busy (the README gives the times seen).
+# side, keep the CPU's vector units busy (docs/measurements.md, "Figures seen while
+# building the kit", gives the times seen).
 VALUE_CHUNK = 16
 
 
@@ -175,8 +176,9 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     # The same arithmetic written two ways (the branch is taken once, while tracing): run
     # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, per_kv_head, len,
     # dim] (the queries of one KV head side by side), which Inductor turns into one kernel that
-    # gathers through the table as it goes (faster than compiled matmuls; the README gives the
-    # times seen). `summed_attention` sums eagerly too.
+    # gathers through the table as it goes (faster than compiled matmuls; docs/measurements.md,
+    # "Figures seen while building the kit", gives the times seen). `summed_attention` sums
+    # eagerly too.
     summed = summed_form()
     if summed:
         qg = q.view(num_seqs, kv_heads, per_kv_head, 1, head_dim).float()

@@ -6,7 +6,7 @@ Why: a decode step's few rows make each expert's product a matrix-vector product
 bytes it reads. A product per expert (`torch._grouped_mm` on the CPU, MKL, oneDNN) opens a
 parallel region per expert, and on a 2-core CPU that cost about half the step; Inductor's
 generated loop (`gathered_products`) sums each output in one chain and streams at 17-23 GB/s
-where the memory gives 30-40 (README, "Experts against vLLM's fused MoE").
+where the memory gives 30-40 (docs/experts.md, "Experts against vLLM's fused MoE").
 
 The kernel is C, built on first use by the machine's C compiler for the machine it runs on
 (`-march=native`: AVX-512 where there is AVX-512, AVX2 or NEON elsewhere) and kept in

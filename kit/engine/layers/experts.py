@@ -25,7 +25,7 @@ about one row), runs each product as one kernel over every picked expert on the 
 (`kit.engine.layers.expert_kernel`, as vLLM's fused MoE), and as one generated loop in compiled
 code elsewhere (`gathered_products`): the CPU's grouped product is a matrix product per expert,
 each its own parallel region, which on a 2-core machine cost 5-8x more than the bytes it reads
-(README, "Experts against vLLM's fused MoE").
+(docs/experts.md, "Experts against vLLM's fused MoE").
 """
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ class Experts(nn.Module):
         bf16, `Decoder.multiply_in`). There the kernel is that float32 product without a
         float32 copy of every expert (it widens each weight as it reads it): a gpt-oss-20b-like
         layer's 1,024-token prefill in bf16 took 3.0 s in it against 10.0 s grouped, emulated
-        (AVX2, README "Experts against vLLM's fused MoE")."""
+        (AVX2, docs/experts.md "Experts against vLLM's fused MoE")."""
         w = self.gate_up_proj
         # (the dtype first: a compiled prefill's `pairs` is a symbol, and comparing it would
         # add a guard for nothing)

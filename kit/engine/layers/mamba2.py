@@ -95,8 +95,9 @@ def opaque_chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: t
     """`chunked_scan` as one operator, which a compiled prefill calls without tracing into it
     (as vLLM's `vllm::mamba_mixer2`, one of the splitting ops of its CompilationConfig, keeps
     the conv and the scan out of the graph Inductor compiles). Inductor's code for the scan at
-    a symbolic prompt length took most of tiny-mamba's prefill compile; the README gives the
-    times. Eager, it is `chunked_scan` itself."""
+    a symbolic prompt length took most of tiny-mamba's prefill compile; docs/hybrids.md
+    ("Compiling a prefill through the scan") gives the times. Eager, it is `chunked_scan`
+    itself."""
     y, final = chunked_scan(x, dt, a, b, c, chunk)
     return y.contiguous(), final.contiguous()
 
