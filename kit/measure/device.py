@@ -110,6 +110,27 @@ def onednn_has_kernels(dtype: torch.dtype) -> bool:
     return True
 
 
+# The kinds of CPU the kit meets, each with its own path through PyTorch, oneDNN and vLLM: what
+# PyTorch's cpuinfo reports decides (`cpu_isa`), in the order vLLM and oneDNN prefer them.
+CPU_KINDS = {
+    "amx": "x86 with AMX: AVX-512, native bf16 and AMX tiles (Intel Sapphire Rapids and later)",
+    "avx512_bf16": "x86 AVX-512 with native bf16, no AMX (AMD Zen 4 and 5, Intel Cooper Lake)",
+    "avx512": "x86 AVX-512 without native bf16 (Intel Skylake-SP to Ice Lake)",
+    "avx2": "x86 AVX2, no native bf16 (older Intel and AMD, most laptops before 2022)",
+    "arm_bf16": "ARM with bf16 (NEON; Graviton 3 and later, Apple M2 and later)",
+    "arm": "ARM without bf16 (NEON)",
+    "other": "a CPU without AVX2 or NEON: PyTorch's generic kernels",
+}
+
+
+def cpu_kind_of(isa: dict) -> str:
+    """Which of `CPU_KINDS` a CPU with this `cpu_isa()` is (its key)."""
+    if "arm_bf16" in isa:
+        return "arm_bf16" if isa["arm_bf16"] else "arm"
+    return next((k for k in ("amx", "avx512_bf16", "avx512", "avx2")
+                 if isa.get("amx_tile" if k == "amx" else k)), "other")
+
+
 def cpu_kind() -> dict:
     """What a recorded CPU figure must share with this machine to be shown beside its runs: the
     CPU's name and the kernels PyTorch and oneDNN pick (native bf16 or not)."""

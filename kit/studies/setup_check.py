@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.engine.layers.expert_kernel import c_compiler
-from kit.measure.device import synchronize
+from kit.measure.device import CPU_KINDS, cpu_kind_of, synchronize
 from kit.measure.memory import probe_measurement
 from kit.measure.dtype_speed import hardware_figures
 from kit.measure.throughput import MATMUL_DTYPES, Throughput, copy_bandwidth, matmul_throughput
 from kit.units import Bytes, MiB, Seconds
+from kit.vllm.cpu_kernels import VllmCpuKernels, vllm_cpu_kernels
 
 PROBE_BYTES = 64 * MiB
 
@@ -138,6 +139,42 @@ def run_probes(device: str, progress=print) -> Probes:
         matmuls[dtype] = matmul_throughput(device, dtype)
         progress(f"{dtype} matmul: {matmuls[dtype].rate / 1e9:,.1f} GFLOP/s")
     return Probes(PROBE_BYTES, seen, seen_error, seconds, compile_error, copy, matmuls)
+
+
+@dataclass
+class CpuPaths:
+    """Which kind of CPU this is (a key of `kit.measure.device.CPU_KINDS`), whether oneDNN runs
+    bf16 products with kernels of its own here (as it reports, any cap included), and the
+    kernels vLLM's CPU build takes here per dtype (asked of vLLM; none off the CPU)."""
+
+    kind: str
+    onednn_bf16: bool
+    onednn_capped: str | None
+    vllm: list[VllmCpuKernels]
+
+    def lines(self) -> list[str]:
+        bf16 = ("native: oneDNN has bf16 kernels here" if self.onednn_bf16 else
+                "emulated: oneDNN converts to float32 inside each product (many times slower)")
+        cap = f" (oneDNN capped at {self.onednn_capped})" if self.onednn_capped else ""
+        return [f"This CPU: {CPU_KINDS[self.kind]}.", f"bf16 matmuls: {bf16}{cap}.",
+                *[k.library_line() for k in self.vllm[:1]]]
+
+    def rows(self) -> list[dict]:
+        """The kernels vLLM's CPU build takes here, a row per dtype."""
+        return [k.row() for k in self.vllm if not k.error]
+
+    def summary(self) -> dict:
+        return {"kind": self.kind, "onednn_bf16": self.onednn_bf16,
+                "vllm": {k.dtype: k.summary() for k in self.vllm}}
+
+
+def cpu_paths(device: str, isa: dict, arch, block_size: int) -> CpuPaths:
+    """This CPU's kind and the kernels its libraries take for `arch` at `block_size` in bf16
+    and float32 (vLLM's only where the run is on the CPU)."""
+    kernels = [vllm_cpu_kernels(dtype, block_size, arch.head_dim, arch.hidden_size,
+                                arch.moe_intermediate_size or arch.intermediate_size)
+               for dtype in ("bfloat16", "float32")] if device == "cpu" else []
+    return CpuPaths(cpu_kind_of(isa), isa["onednn_bf16"], isa["onednn_max_isa"], kernels)
 
 
 # What to do when a setup check fails, keyed by the start of the check's name.

@@ -95,16 +95,19 @@ class VllmCpuKernels:
     def summary(self) -> dict:
         return {k: v for k, v in vars(self).items() if v is not None}
 
-    def lines(self) -> list[str]:
+    def library_line(self) -> str:
         if self.error:
-            return [f"vLLM's CPU kernels could not be asked: {self.error}"]
-        library = LIBRARIES.get(self.library, ("?",))[0]
-        moe = (f"{self.moe} ({isa_words(self.moe, self.library)})" if self.moe
-               else self.moe_refused)
-        return [f"vLLM's kernel library: {self.library} (built for {library})",
-                f"its attention in {self.dtype} at blocks of {self.block_size}: {self.attention}"
-                f" ({isa_words(self.attention, self.library)})",
-                f"its fused MoE in {self.dtype}: {moe}"]
+            return f"vLLM's CPU kernels could not be asked: {self.error}"
+        built_for = LIBRARIES.get(self.library, ("?",))[0]
+        return f"vLLM's kernel library here: {self.library} (built for {built_for})"
+
+    def row(self) -> dict:
+        """The ISA of each kernel, in vLLM's name and in words."""
+        def shown(isa):
+            return f"{isa} ({isa_words(isa, self.library)})" if isa else ""
+        return {"dtype": self.dtype,
+                f"vLLM's attention (blocks of {self.block_size})": shown(self.attention),
+                "vLLM's fused MoE": shown(self.moe) or self.moe_refused or self.error}
 
 
 def vllm_cpu_kernels(dtype: str, block_size: int, head_size: int, hidden: int,
