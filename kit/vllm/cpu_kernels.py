@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kit.units import Count
 from kit.vllm.installed import vllm_missing
 
 # vLLM's x86 kernel libraries: the CPU kind each is built for (`CpuPlatform.import_kernels`)
@@ -93,7 +94,8 @@ class VllmCpuKernels:
     error: str | None = None
 
     def summary(self) -> dict:
-        return {k: v for k, v in vars(self).items() if v is not None}
+        return {k: Count(v) if k == "block_size" else v for k, v in vars(self).items()
+                if v is not None}
 
     def library_line(self) -> str:
         if self.error:
