@@ -88,25 +88,25 @@ def test_a_layer_left_dense_among_moe_layers_counts_its_own_mlp():
 def test_the_calculator_serves_the_moe_models_with_every_expert_resident(name, gib):
     """Chosen in chapter 02's calculator: the weights of every expert, and the smallest common
     GPU memory that holds them and one request (Mixtral's 87 GiB need an H200)."""
-    from kit.studies.kv_cache_sizing import calculator, fit_advice, start_capacity
+    from kit.studies.kv_cache_sizing import Calculator
     s = load("cpu-small")
-    compute = calculator(s, 10 * 2**20)
+    compute = Calculator(s, 10 * 2**20)
     knobs = dict(model=name, gpu_memory_utilization=0.9, block_size=16, kv_cache_dtype="auto",
                  max_model_len=1024)
-    assert start_capacity(compute, knobs) == gib * GiB
+    assert compute.start_capacity(knobs) == gib * GiB
     calc = compute(**knobs, capacity_bytes=gib * GiB)
     arch = ModelConfig.load(name)
     assert calc.budget.weights_bytes == arch.num_parameters() * 2
-    assert calc.activations == "estimated" and fit_advice(calc) is None
+    assert calc.activations == "estimated" and calc.fit_advice() is None
     assert calc.budget.activation_bytes == estimate_activation_bytes(arch, 2048, 8, 2)
     assert calc.config.num_blocks > 0
 
 
 def test_the_calculator_widget_moves_to_an_h100_then_an_h200():
     from kit.show.widgets import kv_calculator
-    from kit.studies.kv_cache_sizing import calculator
+    from kit.studies.kv_cache_sizing import Calculator
     s = load("cpu-small")
-    box = kv_calculator(s, 96 * 2**20, calculator(s, 10 * 2**20), {"as configured": 0})
+    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0})
     model, memory, numbers = box.children[0], box.children[2], box.children[-2]
     model.value = "qwen3-30b-a3b"
     assert memory.value == 80 and "device_memory moved to 80 GiB" in numbers.value

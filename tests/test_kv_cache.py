@@ -238,18 +238,17 @@ def test_a_model_that_does_not_fit_says_by_how_much_and_what_to_give():
     """At the notebook's 96 MiB a 7B model's weights alone are over the budget: the calculator
     says how much device_memory would hold one request of max_model_len, and at that memory
     (rounded up) the model fits."""
-    from kit.studies.kv_cache_sizing import fit_advice, missing_bytes
     s = load("cpu-small")
     knobs = dict(model="mistral-7b-v0.1", gpu_memory_utilization=0.9, block_size=16,
                  kv_cache_dtype="auto", max_model_len=1024)
     tight = calculate(s, 10 * 2**20, capacity_bytes=96 * 2**20, **knobs)
-    advice = fit_advice(tight)
-    assert missing_bytes(tight) > 0 and advice.startswith("Does not fit: weights 13.49 GiB")
+    advice = tight.fit_advice()
+    assert tight.missing_bytes > 0 and advice.startswith("Does not fit: weights 13.49 GiB")
     need = float(advice.split("Give device_memory at least ")[1].split(" GiB")[0])
-    assert fit_advice(calculate(s, 10 * 2**20, capacity_bytes=int((need + 0.01) * GiB),
-                                **knobs)) is None
-    assert fit_advice(calculate(s, 10 * 2**20, capacity_bytes=int((need - 0.05) * GiB),
-                                **knobs)) is not None
+    assert calculate(s, 10 * 2**20, capacity_bytes=int((need + 0.01) * GiB),
+                     **knobs).fit_advice() is None
+    assert calculate(s, 10 * 2**20, capacity_bytes=int((need - 0.05) * GiB),
+                     **knobs).fit_advice() is not None
 
 
 def test_the_calculator_moves_its_memory_to_where_a_chosen_model_is_served():
@@ -257,9 +256,9 @@ def test_the_calculator_moves_its_memory_to_where_a_chosen_model_is_served():
     smallest common GPU that holds it (16 GiB for a 7B model in bf16), saying so; choosing
     the notebook's model again brings its own memory back."""
     from kit.show.widgets import kv_calculator
-    from kit.studies.kv_cache_sizing import calculator
+    from kit.studies.kv_cache_sizing import Calculator
     s = load("cpu-small")
-    box = kv_calculator(s, 96 * 2**20, calculator(s, 10 * 2**20), {"as configured": 0})
+    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0})
     model, memory, numbers = box.children[0], box.children[2], box.children[-2]
     assert "blocks" in numbers.value and "moved" not in numbers.value
     model.value = "mistral-7b-v0.1"

@@ -160,3 +160,30 @@ def test_every_module_is_short():
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_every_function_is_short():
+    """Short functions (docstring included): none over MAX_FUNCTION_LINES lines."""
+    long = {f"{name}.{node.name}": node.end_lineno - node.lineno + 1
+            for name, path in MODULES.items() for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_what_draws_runs_no_study():
+    """kit.show and kit.pages draw what they are handed: none imports a study."""
+    drawing = {m: sorted(d for d in GRAPH[m] if d.startswith("kit.studies"))
+               for m in MODULES if m.split(".")[1:2] in (["show"], ["pages"])}
+    assert {m: ds for m, ds in drawing.items() if ds} == {}
+
+
+def test_no_module_state_is_rebound():
+    """No `global` statement: behaviour is never switched by rebinding a module's name (a
+    with-block's state lives in a ContextVar, as `noting_picks` keeps its picks)."""
+    rebound = {name: node.names for name, path in MODULES.items()
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)}
+    assert rebound == {}

@@ -163,13 +163,13 @@ def test_scout_in_the_weights_split_and_the_calculator():
     run per token. Chapter 02's calculator: its 201 GiB of bf16 weights fit no one common
     device; over 2 ranks an H200, over 4 an H100."""
     from kit.config import load
-    from kit.studies.kv_cache_sizing import calculator, start_capacity
+    from kit.studies.kv_cache_sizing import Calculator
     from kit.studies.memory_profiling import weights_split
     split = weights_split(ModelConfig.load("llama-4-scout"), "bfloat16")
     assert split["experts_bytes"] == 48 * 16 * 3 * 5120 * 8192 * 2
     assert (round(split["experts_share"], 3), round(split["active_share"], 3)) == (0.897, 0.159)
-    compute = calculator(load("cpu-small"), 10 * 2**20)
+    compute = Calculator(load("cpu-small"), 10 * 2**20)
     knobs = dict(model="llama-4-scout", gpu_memory_utilization=0.9, block_size=16,
                  kv_cache_dtype="auto", max_model_len=1024)
-    assert [start_capacity(compute, {**knobs, "tensor_parallel_size": tp})
+    assert [compute.start_capacity({**knobs, "tensor_parallel_size": tp})
             for tp in (1, 2, 4)] == [None, 141 * 2**30, 80 * 2**30]

@@ -9,8 +9,6 @@ from IPython.display import display
 
 from kit.config import KV_CACHE_DTYPES, MODELS_DIR, known_names
 from kit.show.kv_cache_plots import kv_calculator as calculator_figure
-from kit.studies.kv_cache_sizing import (COMMON_DEVICES_GIB, fit_advice, missing_bytes,
-                                         start_capacity)
 from kit.units import GiB
 
 
@@ -66,8 +64,8 @@ def calculator_controls(settings, capacity_bytes: int, layer_patterns: dict) -> 
 def numbers_html(calc, note: str = "") -> str:
     """The calculator's numbers in one line, vLLM's log line included
     (`kv_cache_sizing.Calculation`); when the model does not fit, by how much and what to
-    change instead (`fit_advice`); `note` (why the memory moved) below."""
-    s, advice = calc.config, fit_advice(calc)
+    change instead (its `fit_advice`); `note` (why the memory moved) below."""
+    s, advice = calc.config, calc.fit_advice()
     line = (f"<b>{advice}</b>" if advice else
             f"<b>{s.num_blocks:,}</b> blocks · <b>{s.num_tokens:,}</b> tokens · "
             f"<b>{s.max_concurrency:.2f}×</b> concurrency · {s.layout.bytes_per_block:,} B per "
@@ -92,7 +90,8 @@ def windowed_tokens_note(calc) -> str | None:
 def memory_for_model(settings, capacity_bytes: int, compute, controls: dict) -> str:
     """Move the memory slider where the chosen model can be served, and say why: the
     notebook's own memory for its model; for another, unchanged if it fits there, else the
-    smallest common device that holds one request of max_model_len (`start_capacity`)."""
+    smallest common device that holds one request of max_model_len (`compute.start_capacity`,
+    among `compute.devices_gib`)."""
     memory = controls["device_memory_gib"]
     knobs = {k: c.value for k, c in controls.items() if k != "device_memory_gib"}
     with memory.hold_trait_notifications():
@@ -100,15 +99,16 @@ def memory_for_model(settings, capacity_bytes: int, compute, controls: dict) -> 
             memory.value = capacity_bytes / GiB
             return ""
         here = slider_bytes(memory.value, capacity_bytes)
-        if not missing_bytes(compute(**knobs, capacity_bytes=here)):
+        if not compute(**knobs, capacity_bytes=here).missing_bytes:
             return ""
-        start = start_capacity(compute, knobs)
+        start = compute.start_capacity(knobs)
         if start is None:
             return (f"{knobs['model']} fits none of the common devices up to "
-                    f"{COMMON_DEVICES_GIB[-1]} GiB at these settings: raise tensor_parallel_size")
+                    f"{compute.devices_gib[-1]} GiB at these settings: raise "
+                    "tensor_parallel_size")
         memory.value = start / GiB
     return (f"device_memory moved to {start / GiB:g} GiB, the smallest common GPU memory "
-            f"({', '.join(map(str, COMMON_DEVICES_GIB))} GiB) that holds {knobs['model']}'s "
+            f"({', '.join(map(str, compute.devices_gib))} GiB) that holds {knobs['model']}'s "
             f"weights and one {knobs['max_model_len']:,}-token request (this notebook's "
             f"device: {capacity_bytes / GiB:.3g} GiB)")
 
@@ -125,7 +125,7 @@ def figure_output(fig) -> dict:
 def kv_calculator(settings, capacity_bytes: int, compute, layer_patterns: dict):
     """Controls for the knobs, a live figure and the numbers; returns the widget box.
     `compute(model=..., capacity_bytes=..., **knobs)` answers for the knobs' values (chapter
-    02's `kv_cache_sizing.calculator`); this module only draws what it returns."""
+    02's `kv_cache_sizing.Calculator`); this module only draws what it returns."""
     controls = calculator_controls(settings, capacity_bytes, layer_patterns)
     numbers = w.HTML()
     numbers.add_class("kit-calculator-numbers")

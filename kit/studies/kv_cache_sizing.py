@@ -113,6 +113,11 @@ def curve_lines(curves: dict[str, dict[str, list]]) -> list[tuple[str, list, lis
             for name, by_label in curves.items() for label, values in by_label.items()]
 
 
+# Memory of common accelerators, GiB (T4/V100 16, L4/A10 24, A100 40, L40S 48, A100/H100 80,
+# H100 NVL 94, H200 141, B200 192): where the calculator opens for a model that does not fit.
+COMMON_DEVICES_GIB = (16, 24, 40, 48, 80, 94, 141, 192)
+
+
 @dataclass(frozen=True)
 class Calculation:
     """One answer of the calculator: how the device's memory splits, and what the KV cache's
@@ -122,6 +127,31 @@ class Calculation:
     config: KVCacheConfig
     activations: str
     refusal: str | None = None  # why vLLM would not start with these blocks (`too_few_states`)
+
+    @property
+    def missing_bytes(self) -> int:
+        """What the KV cache lacks to hold one request of max_model_len (vLLM refuses to
+        start below that): 0 when it does."""
+        need = self.config.layout.request_bytes(self.config.max_model_len,
+                                                self.config.in_flight_tokens)
+        return max(0, need - self.budget.kv_cache_bytes)
+
+    def fit_advice(self) -> str | None:
+        """When the KV cache cannot hold one request of max_model_len: by how much, and the
+        device memory that would (at this gpu_memory_utilization); None when it can."""
+        short = self.missing_bytes
+        if not short:
+            return None
+        b = self.budget
+        capacity = math.ceil((b.non_kv_cache_bytes + b.kv_cache_bytes + short) /
+                             b.gpu_memory_utilization)
+        return (f"Does not fit: weights {b.weights_bytes / GiB:,.2f} GiB + activations "
+                f"{b.activation_bytes / GiB:,.2f} GiB leave "
+                f"{max(0, b.kv_cache_bytes) / GiB:,.2f} GiB of the {b.budget_bytes / GiB:,.2f} "
+                f"GiB budget (capacity × gpu_memory_utilization), {short / GiB:,.2f} GiB short "
+                f"of one {self.config.max_model_len:,}-token request. Give device_memory at "
+                f"least {capacity / GiB:,.2f} GiB, or raise gpu_memory_utilization or "
+                "tensor_parallel_size, or lower max_model_len.")
 
 
 def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None, *,
@@ -147,53 +177,26 @@ def calculate(settings: Settings, measured_activation_bytes: int, model: str | N
                        too_few_states(config, settings.max_num_seqs, settings.device))
 
 
-def calculator(settings: Settings, measured_activation_bytes: int):
+@dataclass(frozen=True)
+class Calculator:
     """`calculate` for the settings and their measured activations, as a function of the
-    widget's knobs (`kit.show.widgets.kv_calculator` calls it on every change)."""
-    def compute(**knobs) -> Calculation:
-        return calculate(settings, measured_activation_bytes, **knobs)
-    return compute
+    widget's knobs (`kit.show.widgets.kv_calculator` calls it on every change), and where its
+    memory opens for a model that does not fit the notebook's device."""
 
+    settings: Settings
+    measured_activation_bytes: int
+    devices_gib: tuple[int, ...] = COMMON_DEVICES_GIB
 
-# Memory of common accelerators, GiB (T4/V100 16, L4/A10 24, A100 40, L40S 48, A100/H100 80,
-# H100 NVL 94, H200 141, B200 192): where the calculator opens for a model that does not fit.
-COMMON_DEVICES_GIB = (16, 24, 40, 48, 80, 94, 141, 192)
+    def __call__(self, **knobs) -> Calculation:
+        return calculate(self.settings, self.measured_activation_bytes, **knobs)
 
-
-def missing_bytes(calc: Calculation) -> int:
-    """What the KV cache lacks to hold one request of max_model_len (vLLM refuses to start
-    below that): 0 when it does."""
-    need = calc.config.layout.request_bytes(calc.config.max_model_len,
-                                            calc.config.in_flight_tokens)
-    return max(0, need - calc.budget.kv_cache_bytes)
-
-
-def fit_advice(calc: Calculation) -> str | None:
-    """When the KV cache cannot hold one request of max_model_len: by how much, and the
-    device memory that would (at this gpu_memory_utilization); None when it can."""
-    short = missing_bytes(calc)
-    if not short:
+    def start_capacity(self, knobs: dict) -> int | None:
+        """The smallest common device (`devices_gib`) whose KV cache holds one request of
+        max_model_len at the other `knobs`, or None when none does."""
+        for gib in self.devices_gib:
+            if not self(**knobs, capacity_bytes=gib * GiB).missing_bytes:
+                return gib * GiB
         return None
-    b = calc.budget
-    capacity = math.ceil((b.non_kv_cache_bytes + b.kv_cache_bytes + short) /
-                         b.gpu_memory_utilization)
-    return (f"Does not fit: weights {b.weights_bytes / GiB:,.2f} GiB + activations "
-            f"{b.activation_bytes / GiB:,.2f} GiB leave {max(0, b.kv_cache_bytes) / GiB:,.2f} "
-            f"GiB of the {b.budget_bytes / GiB:,.2f} GiB budget (capacity × "
-            f"gpu_memory_utilization), {short / GiB:,.2f} GiB short of one "
-            f"{calc.config.max_model_len:,}-token request. Give device_memory at least "
-            f"{capacity / GiB:,.2f} GiB, or raise gpu_memory_utilization or "
-            "tensor_parallel_size, or lower max_model_len.")
-
-
-def start_capacity(compute, knobs: dict) -> int | None:
-    """Where the calculator's memory opens for a model (`compute`: the calculator; `knobs`:
-    its other values): the smallest common device (COMMON_DEVICES_GIB) whose KV cache holds
-    one request of max_model_len, or None when none does."""
-    for gib in COMMON_DEVICES_GIB:
-        if not missing_bytes(compute(**knobs, capacity_bytes=gib * GiB)):
-            return gib * GiB
-    return None
 
 
 def calculate_for_settings(settings: Settings, capacity: int,

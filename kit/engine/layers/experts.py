@@ -30,6 +30,7 @@ each its own parallel region, which on a 2-core machine cost 5-8x more than the 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -130,7 +131,8 @@ def _(rows, weights, ends):
     return rows.new_empty(rows.shape[0], weights.shape[2])
 
 
-_NOTED: list | None = None  # while `noting_picks`: (layer, ids) of every routing, in order
+# while `noting_picks`: (layer, ids) of every routing, in order; else None
+_NOTED: ContextVar[list | None] = ContextVar("noted_picks", default=None)
 
 
 @torch.library.custom_op("kit::noted", mutates_args=())
@@ -138,8 +140,9 @@ def noted(ids: torch.Tensor, layer: int) -> torch.Tensor:
     """`ids` (a copy), kept with `layer` while `noting_picks` is on. One opaque op, so compiled
     code calls it too (the CPU's compiled prefill): how the routing check learns what a run's
     own compiled code picked (`kit.engine.routing_replay`)."""
-    if _NOTED is not None:
-        _NOTED.append((layer, ids.to("cpu", copy=True)))  # compiled code reuses its buffer
+    picks = _NOTED.get()
+    if picks is not None:
+        picks.append((layer, ids.to("cpu", copy=True)))  # compiled code reuses its buffer
     return ids.clone()
 
 
@@ -152,12 +155,12 @@ def _(ids, layer):
 def noting_picks():
     """`with noting_picks() as noted:` every MoE layer's picks while inside, as (its layer's
     index in the model, ids [tokens, k]) in the order they ran."""
-    global _NOTED
-    _NOTED = []
+    picks = []
+    token = _NOTED.set(picks)
     try:
-        yield _NOTED
+        yield picks
     finally:
-        _NOTED = None
+        _NOTED.reset(token)
 
 
 def picks_per_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
