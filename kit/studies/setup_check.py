@@ -155,7 +155,8 @@ class CpuPaths:
     def lines(self) -> list[str]:
         bf16 = ("native: oneDNN has bf16 kernels here" if self.onednn_bf16 else
                 "emulated: oneDNN converts to float32 inside each product (many times slower)")
-        cap = f" (oneDNN capped at {self.onednn_capped})" if self.onednn_capped else ""
+        cap = (f" (oneDNN capped at {self.onednn_capped}; vLLM's kernels below follow the "
+               "CPU's own flags, which no cap reaches)") if self.onednn_capped else ""
         return [f"This CPU: {CPU_KINDS[self.kind]}.", f"bf16 matmuls: {bf16}{cap}.",
                 *[k.library_line() for k in self.vllm[:1]]]
 
