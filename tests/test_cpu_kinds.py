@@ -68,8 +68,8 @@ def test_vllms_amx_moe_kernel_runs_only_where_there_is_amx_and_a_crash_is_a_reas
     """The fused MoE's trial at "amx", in a child process: it runs on a CPU with AMX; on any
     other the child dies (SIGILL where the library has the AMX code, as on AVX-512 without AMX)
     or refuses, and this process goes on with the reason in words. Its "vec" kernel runs on
-    every x86 CPU."""
-    from kit.vllm.fused_moe import TRIAL
+    every x86 CPU (the trial `bench experts` runs, remembered once it passed)."""
+    from kit.vllm.fused_moe import TRIAL, trial_failure
     from kit.measure.in_child import try_in_child
     failure = try_in_child(TRIAL, "amx", "bfloat16")
     if torch.cpu._is_amx_tile_supported():
@@ -78,4 +78,4 @@ def test_vllms_amx_moe_kernel_runs_only_where_there_is_amx_and_a_crash_is_a_reas
         assert failure is not None
         if cpu_kind_of(cpu_isa()) == "avx512_bf16":
             assert failure == "killed by SIGILL (an instruction this CPU does not have)"
-    assert try_in_child(TRIAL, "vec", "bfloat16") is None
+    assert trial_failure("vec", "bfloat16") is None
