@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from kit.measure.timing import Timings, median_or_none
 from kit.units import Bytes, Count, Ratio, Seconds, typed
-from kit.vllm.installed import hooks_released, in_process, vllm_missing
+from kit.vllm.installed import hooks_released, in_process, inspected_here, vllm_missing
 from kit.vllm.kv_sizing import engine_config
 from kit.vllm.model_specs import model_kv_specs
 from kit.vllm.log import captured_vllm_log, fail_message, format_records, phase_seconds
@@ -292,7 +292,8 @@ def run_engine(model_folder: Path, mode: str, *, name: str | None = None,
     from vllm import LLM
     llm, records = None, []
     args = engine_kwargs(model_folder, mode, **kwargs)
-    with keep_torch_threads(), hooks_released(), captured_vllm_log(records, echo=echo_log):
+    with keep_torch_threads(), hooks_released(), inspected_here(), \
+            captured_vllm_log(records, echo=echo_log):
         try:
             t0 = time.perf_counter()
             llm = LLM(**args)

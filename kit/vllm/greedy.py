@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kit.units import MiB
 from kit.vllm.engine_runs import keep_torch_threads, shutdown
-from kit.vllm.installed import hooks_released, in_process
+from kit.vllm.installed import hooks_released, in_process, inspected_here
 from kit.vllm.log import captured_vllm_log
 
 
@@ -63,7 +63,7 @@ def greedy_from_checkpoint(folder: Path, prompts: list[list[int]], new_tokens: i
     # vLLM's start-up and shut-down lines (seventy-odd, a traceback among them), its C-level
     # NUMA-binding warning and its weight-loading bar stay out of the notebook's output; a
     # failure still raises its message
-    with keep_torch_threads(), hooks_released(), captured_vllm_log([]):
+    with keep_torch_threads(), hooks_released(), inspected_here(), captured_vllm_log([]):
         llm = LLM(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
                   block_size=block_size, max_model_len=max(longest, block_size),
                   max_num_seqs=len(prompts), max_num_batched_tokens=max(longest, 256),

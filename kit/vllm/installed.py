@@ -1,6 +1,7 @@
 """Whether the real vLLM can be imported here, its version, the setting that keeps its
-engine in this process (`in_process`: applied when an engine starts, never at import), and
-letting go of the models vLLM builds in this process (`hooks_released`)."""
+engine in this process (`in_process`: applied when an engine starts, never at import), its
+model classes inspected in this process on the CPU (`inspected_here`), and letting go of the
+models vLLM builds in this process (`hooks_released`)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,27 @@ def in_process() -> None:
     """Keep vLLM's engine core in this process: no worker processes, so a notebook or a script
     without a main guard can start one."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@contextlib.contextmanager
+def inspected_here():
+    """Inside, vLLM on the CPU inspects a model class it has not seen in this process instead
+    of a child process. vLLM learns what each architecture supports (`_ModelInfo`) once per
+    machine, in a child Python so that the parent never initialises CUDA, and keeps it under
+    VLLM_CACHE_ROOT/modelinfos; the child's import of vLLM took 7-8 s per architecture on a
+    2-core CPU, 100 of chapter 05's 215 s cold (its grid meets 13). On the CPU there is no CUDA
+    to keep out, and the same function runs here; elsewhere vLLM is left as it is."""
+    from vllm.model_executor.models import registry
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        yield
+        return
+    in_child = registry._run_in_subprocess
+    registry._run_in_subprocess = lambda fn: fn()
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = in_child
 
 
 @contextlib.contextmanager

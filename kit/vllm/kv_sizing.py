@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit.vllm.installed import vllm_missing
+from kit.vllm.installed import inspected_here, vllm_missing
 from kit.vllm.log import captured_vllm_log, fail_message, logged_once
 from kit.vllm.model_folder import safe_name, write_model_folder
 from kit.vllm.model_specs import model_kv_specs
@@ -63,13 +63,15 @@ def engine_config(model_folder: Path, *, block_size: int, kv_cache_dtype: str = 
     with it, `mamba_cache_mode` "align", and one per request without, "none")."""
     from vllm.engine.arg_utils import EngineArgs
     torchvision_stand_in(model_folder)  # Qwen3.5's module imports it (`kit.vllm.stand_ins`)
-    return EngineArgs(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
+    args = EngineArgs(model=str(model_folder), load_format="dummy", skip_tokenizer_init=True,
                       block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=max_model_len, dtype=dtype,
                       tensor_parallel_size=tensor_parallel_size,
                       kv_cache_memory_bytes=kv_cache_memory_bytes,
                       max_num_batched_tokens=max_num_batched_tokens,
-                      enable_prefix_caching=enable_prefix_caching).create_engine_config()
+                      enable_prefix_caching=enable_prefix_caching)
+    with inspected_here():
+        return args.create_engine_config()
 
 
 def resolve_layout(vllm_config, specs: dict) -> None:
