@@ -16,6 +16,7 @@ vLLM is imported only when asked.
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,17 +26,17 @@ from kit.units import Count
 from kit.vllm.installed import vllm_missing
 
 # vLLM's x86 kernel libraries: the CPU kind each is built for (`CpuPlatform.import_kernels`)
-# and so the vectors its "vec" kernels use; elsewhere its one library, `_C`, is the platform's.
+# and so the vectors its "vec" kernels use. Elsewhere its one library, `_C`, is the platform's.
 LIBRARIES = {"_C_AVX2": ("AVX2", "AVX2"), "_C_AVX512": ("AVX-512 without BF16", "AVX-512"),
-             "_C": ("AVX-512 with BF16 on x86, AMX kernels where the CPU has AMX; the "
-                    "platform's own elsewhere", "AVX-512")}
+             "_C": ("AVX-512 with BF16, its AMX kernels where the CPU has AMX", "AVX-512")}
+X86 = platform.machine() in ("x86_64", "AMD64")
 ISA_WORDS = {"amx": "AMX tiles", "vec": "{} vectors", "vec16": "{} vectors, blocks of 16",
              "neon": "ARM NEON", "vsx": "POWER VSX", "vxe": "s390x VXE", "rvv": "RISC-V vectors"}
 
 
 def isa_words(isa: str, library: str) -> str:
     """vLLM's name for a kernel ISA in words, on this kernel library."""
-    vectors = LIBRARIES.get(library, ("", "the CPU's"))[1]
+    vectors = LIBRARIES[library][1] if X86 and library in LIBRARIES else "the CPU's"
     return ISA_WORDS.get(isa, isa).format(vectors)
 
 
@@ -100,7 +101,8 @@ class VllmCpuKernels:
     def library_line(self) -> str:
         if self.error:
             return f"vLLM's CPU kernels could not be asked: {self.error}"
-        built_for = LIBRARIES.get(self.library, ("?",))[0]
+        built_for = LIBRARIES[self.library][0] if X86 and self.library in LIBRARIES \
+            else platform.machine()
         return f"vLLM's kernel library here: {self.library} (built for {built_for})"
 
     def row(self) -> dict:
