@@ -137,28 +137,42 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, chunk: int | None = None,
                            zero_masked: bool = False):
-    """One query token per sequence ([seqs, heads, head_dim]) against its cached context, read
-    through the block table (`gathered_context`: `max_context_len`, `window` and `chunk` say
-    which positions). The scores are scaled by `scale` (default head_dim^-1/2) and capped by
-    `softcap`; the softmax runs in float32, with each head's sink logit (`sinks` [heads],
-    gpt-oss) in its denominator. `zero_masked`: the values at masked positions are zeroed
-    first, for a hybrid, whose pages hold bytes no token wrote there (a recurrent state's,
-    where the block held one before; as values they may be NaN, and a weight of 0 times NaN is
-    NaN). vLLM's kernels read only the positions of each context.
-    """
-    num_seqs, head_dim = block_tables.shape[0], q.shape[-1]
-    k, v, visible = gathered_context(layer_cache, block_tables, context_lens, head_dim,
-                                     max_context_len, window, chunk)
-    kv_heads = k.shape[2]
-    per_kv_head = q.shape[1] // kv_heads
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context: keys and
+    values are gathered through the block table, the first `max_context_len` positions of each
+    sequence's table (all of them by default): every shape depends only on the batch, never on the
+    contexts' lengths, so one compiled graph (or one CUDA graph) serves every step. Positions past a
+    sequence's context (the padding of its last block, or of its table) are masked. With `window`,
+    only the blocks holding the last `window` positions are read (`window_tables`: a fixed number,
+    so a sliding layer's step stops growing once the context passes its window), and older positions
+    among them are masked; with `chunk` (Llama 4), only the blocks of the new token's own chunk,
+    positions before the chunk masked. The scores are scaled by `scale` (default head_dim^-1/2) and
+    capped by `softcap`; the softmax runs in float32, with each head's sink logit (`sinks` [heads],
+    gpt-oss) in its denominator. `zero_masked`: the values at masked positions are zeroed first, for
+    a hybrid, whose pages hold bytes no token wrote there (a recurrent state's: as values they may
+    be NaN, and a weight of 0 times NaN is NaN). vLLM's kernels read only the positions of each
+    context."""
+    num_seqs, width = block_tables.shape
+    block_size, head_dim = layer_cache.shape[2], q.shape[-1]
+    # the layer's KV heads, where they differ from the cache's shape (Gemma 4's full layers)
+    kv_heads = layer_cache.shape[3] * layer_cache.shape[4] // head_dim
+    length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
+    tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
+    blocks = window_blocks(window or chunk, block_size, width)
+    first = first_visible(context_lens, window, chunk)
+    if blocks * block_size < length:  # a window narrower than the context: read only it
+        tables, pos = window_tables(block_tables, first, blocks, block_size)
+        length = pos.shape[1]
+    k = layer_cache[0][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    v = layer_cache[1][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
+    visible = pos[:, :length] < context_lens[:, None]
+    if first is not None:
+        visible = visible & (pos[:, :length] >= first[:, None])
     if zero_masked:
         v = torch.where(visible[:, :, None, None], v, 0)
-    # The same arithmetic written two ways (the branch is taken once, while tracing): run
-    # eagerly, two matmuls; compiled, products summed over [seqs, kv_heads, per_kv_head, len,
-    # dim] (the queries of one KV head side by side), which Inductor turns into one kernel that
-    # gathers through the table as it goes (faster than compiled matmuls; docs/measurements.md,
-    # "Figures seen while building the kit", gives the times seen). `summed_attention` sums
-    # eagerly too.
+    # The same arithmetic two ways (`summed_form`, taken once while tracing; `summed_attention`
+    # sums eagerly too): eagerly two matmuls; compiled, products summed over [seqs, kv_heads,
+    # per_kv_head, len, dim] (a KV head's queries side by side), one Inductor kernel gathering
+    # through the table as it goes, faster than compiled matmuls (docs/measurements.md).
     summed = summed_form()
     if summed:
         qg = q.view(num_seqs, kv_heads, per_kv_head, 1, head_dim).float()
@@ -177,38 +191,6 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
     return out.to(q.dtype).reshape(q.shape)
-
-
-def gathered_context(layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, head_dim: int,
-                     max_context_len: int | None = None, window: int | None = None,
-                     chunk: int | None = None):
-    """(keys, values [seqs, length, kv_heads, head_dim], visible [seqs, length]): each
-    sequence's cached context gathered through its block table, the first `max_context_len`
-    positions of its table (all of them by default). Every shape depends only on the batch,
-    never on the contexts' lengths, so one compiled graph (or one CUDA graph) serves every
-    step. Positions past a sequence's context (the padding of its last block, or of its table)
-    are not visible. With `window`, only the blocks holding the last `window` positions are read
-    (`window_tables`: a fixed number, so a sliding layer's step stops growing once the context
-    passes its window), and older positions among them are not visible; with `chunk` (Llama 4),
-    only the blocks of the new token's own chunk, positions before the chunk not visible."""
-    num_seqs, width = block_tables.shape
-    block_size = layer_cache.shape[2]
-    # the layer's KV heads, where they differ from the cache's shape (Gemma 4's full layers)
-    kv_heads = layer_cache.shape[3] * layer_cache.shape[4] // head_dim
-    length = max_context_len or width * block_size
-    tables, pos = block_tables, torch.arange(length, device=layer_cache.device)[None, :]
-    blocks = window_blocks(window or chunk, block_size, width)
-    first = first_visible(context_lens, window, chunk)
-    if blocks * block_size < length:  # a window narrower than the context: read only it
-        tables, pos = window_tables(block_tables, first, blocks, block_size)
-        length = pos.shape[1]
-    k = layer_cache[0][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
-    v = layer_cache[1][tables].view(num_seqs, -1, kv_heads, head_dim)[:, :length]
-    visible = pos[:, :length] < context_lens[:, None]
-    if first is not None:
-        visible = visible & (pos[:, :length] >= first[:, None])
-    return k, v, visible
 
 
 def window_blocks(window: int | None, block_size: int, width: int) -> int:
