@@ -31,6 +31,7 @@ class VLLMGroup:
     window: int | None
     blocks_per_request: int
     chunk: int | None = None
+    spec: str = ""  # vLLM's spec class (FullAttentionSpec, SlidingWindowSpec, MambaSpec, ...)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def vllm_groups(vllm_config, kv_cache_config) -> tuple[VLLMGroup, ...]:
         blocks = cdiv(spec.max_memory_usage_bytes(vllm_config), spec.page_size_bytes)
         out.append(VLLMGroup(tuple(extract_layer_index(n) for n in group.layer_names),
                              getattr(spec, "sliding_window", None), blocks,
-                             getattr(spec, "attention_chunk_size", None)))
+                             getattr(spec, "attention_chunk_size", None), type(spec).__name__))
     return tuple(out)
 
 
@@ -186,19 +187,23 @@ class VLLMSizer:
     @classmethod
     def build(cls, model_folder, *, block_size: int, max_model_len: int,
               kv_cache_dtype: str = "auto", dtype: str = "auto",
-              tensor_parallel_size: int = 1) -> "VLLMSizer":
+              tensor_parallel_size: int = 1,
+              enable_prefix_caching: bool | None = None,
+              records: list | None = None) -> "VLLMSizer":
         """Build once, at the longest max_model_len the sizer will be asked about (vLLM
-        checks it against the model's own limit here). Raises what vLLM raises."""
+        checks it against the model's own limit here). Raises what vLLM raises. vLLM's log
+        records go to `records` when given."""
         folder = Path(model_folder)
         folder = folder.parent if folder.name == "config.json" else folder
-        with captured_vllm_log([]):
+        with captured_vllm_log([] if records is None else records):
             config = engine_config(folder, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
                                    max_model_len=max_model_len, dtype=dtype,
-                                   tensor_parallel_size=tensor_parallel_size)
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   enable_prefix_caching=enable_prefix_caching)
             return cls(config, model_kv_specs(config), max_model_len)
 
-    def size(self, budget_bytes: int, max_model_len: int,
-             max_num_batched_tokens: int) -> VLLMKVSizing:
+    def size(self, budget_bytes: int, max_model_len: int, max_num_batched_tokens: int,
+             records: list | None = None) -> VLLMKVSizing:
         """vLLM's sizing (`size_with_specs`) with these set on the config where `EngineArgs`
         puts them (`ModelConfig.max_model_len`, `SchedulerConfig.max_num_batched_tokens`)."""
         if max_model_len > self.longest:
@@ -207,5 +212,5 @@ class VLLMSizer:
         vc = self.vllm_config
         vc.model_config.max_model_len = max_model_len
         vc.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
-        with captured_vllm_log([]):
+        with captured_vllm_log([] if records is None else records):
             return size_with_specs(vc, self.specs, budget_bytes)

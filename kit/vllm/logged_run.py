@@ -1,0 +1,136 @@
+"""The run a vLLM start-up log describes: its model's config.json and the settings that size
+its KV cache, each from the log, from what the user gives beside it, or vLLM's default (and
+which), then vLLM 0.32's own sizing code built for them (`VLLMSizer`, no engine started)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kit.config.data import CACHE, MODELS_DIR
+from kit.config.hub import hub_config, is_hub_id
+from kit.errors import ConfigError
+from kit.vllm.model_folder import safe_name
+from kit.vllm.startup_log import StartupLog
+
+# What sizes the KV cache, and vLLM's default where neither the log nor the user says
+# (`max_num_batched_tokens`: `vllm serve`'s on a GPU; `block_size`: CacheConfig's on a GPU,
+# the CPU platform's on a CPU).
+DEFAULTS = {"dtype": "bfloat16", "kv_cache_dtype": "auto", "tensor_parallel_size": 1,
+            "max_num_batched_tokens": 8192, "max_num_seqs": 256, "enable_prefix_caching": None,
+            "gpu_memory_utilization": 0.9}
+BLOCK_DEFAULTS = {"GPU": 16, "CPU": 128}
+ENGINE_NAMES = {"max_model_len": "max_seq_len"}  # the engine line's names for the args' keys
+SETTINGS = ("max_model_len", "block_size", *DEFAULTS)
+
+
+@dataclass
+class LoggedRun:
+    """A logged run's model and settings; `source[name]` says where each came from ("the log",
+    "given", "vLLM's default")."""
+
+    model: str
+    config: dict
+    settings: dict
+    source: dict = field(default_factory=dict)
+    device: str = "GPU"
+
+    @property
+    def quantization(self) -> str | None:
+        q = self.config.get("quantization_config") or {}
+        return self.settings.get("quantization") or q.get("quant_method")
+
+    def folder(self) -> Path:
+        """A folder holding the config.json vLLM builds from (no quantization: the KV cache
+        does not depend on how the weights are stored, and vLLM's CPU build refuses most)."""
+        config = {k: v for k, v in self.config.items() if k != "quantization_config"}
+        text = json.dumps(config, indent=1, sort_keys=True)
+        folder = CACHE / "explained-models" / f"{safe_name(self.model)}-{hash_of(text)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(text)
+        return folder
+
+
+def hash_of(text: str) -> str:
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def model_config(model: str) -> tuple[str, dict]:
+    """`model` as a name under data/models/, a config.json or a folder holding one, or a Hub id
+    (its config.json from the Hub's cache, fetched once): (its name, its config.json)."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.is_file():
+        return (path.parent.name if path.name == "config.json" else path.stem,
+                json.loads(path.read_text()))
+    local = local_name(model)
+    if local:
+        return local, json.loads((MODELS_DIR / f"{local}.json").read_text())
+    if is_hub_id(model):
+        instead = ("or give its config.json with --model PATH (a name under data/models/, a "
+                   "config.json or a folder holding one)")
+        return model, json.loads(hub_config(model, instead).read_text())
+    raise ConfigError(f"the log's model {model!r} is not a name under data/models/, a "
+                      "config.json or a Hugging Face id: give its config.json with --model PATH")
+
+
+def local_name(model: str) -> str | None:
+    """The file under data/models/ a model names: its own name, or a Hub id's last part
+    (`Qwen/Qwen3.5-27B` -> qwen3.5-27b) when the kit ships that model's published config."""
+    for name in (model, model.rsplit("/", 1)[-1].lower()):
+        if re.fullmatch(r"[\w.-]+", name) and (MODELS_DIR / f"{name}.json").is_file():
+            return name
+    return None
+
+
+def logged_settings(log: StartupLog, given: dict) -> tuple[dict, dict]:
+    """Each setting in `SETTINGS`: given, else the log's, else vLLM's default; and where each
+    came from."""
+    settings, source = {}, {}
+    for name in SETTINGS:
+        logged = log.setting(name)
+        if logged is None:
+            logged = log.engine.get(ENGINE_NAMES.get(name, ""))
+        if name in given:
+            settings[name], source[name] = given[name], "given"
+        elif logged is not None:
+            settings[name], source[name] = logged, "the log"
+        else:
+            default = BLOCK_DEFAULTS.get(log.device or "GPU") if name == "block_size" else \
+                DEFAULTS.get(name)
+            settings[name], source[name] = default, "vLLM's default"
+    if settings["max_model_len"] is None:
+        raise ConfigError("the log states no max_model_len (no non-default args line and no "
+                          "engine config line): give it with --set max_model_len=N")
+    if settings["kv_cache_dtype"] in ("auto", None) and source["kv_cache_dtype"] != "given":
+        settings["kv_cache_dtype"] = "auto"
+    return settings, source
+
+
+def logged_run(log: StartupLog, model: str | None = None, given: dict | None = None,
+               ) -> LoggedRun:
+    """The run `log` describes, its model `model` or the one it names."""
+    given = dict(given or {})
+    name = model or log.setting("model")
+    if not name:
+        raise ConfigError("the log names no model (no non-default args or engine config "
+                          "line): give it with --model NAME|config.json|Hub id")
+    name, config = model_config(str(name))
+    settings, source = logged_settings(log, given)
+    run = LoggedRun(name, config, settings, source, log.device or "GPU")
+    check_matches(run, log)
+    return run
+
+
+def check_matches(run: LoggedRun, log: StartupLog) -> None:
+    """A config that contradicts the log: vLLM resolved another architecture from the model
+    it served."""
+    logged = log.engine.get("architecture")
+    own = (run.config.get("architectures") or [None])[0]
+    if logged and own and logged != own:
+        raise ConfigError(f"the log's engine served a {logged}, and the config given for "
+                          f"{run.model} is a {own}: give the config of the model the log ran "
+                          "(--model NAME|config.json|Hub id)")
