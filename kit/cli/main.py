@@ -1,7 +1,7 @@
 """`python -m kit COMMAND ...` (or the `kit` console script): `run` and `presets` (notebooks headless),
 `report` and `compare` (the report), `bench compile|decode|suite` (the benchmarks),
 `checkpoint` (a random-weight checkpoint folder), `sweep` (a grid of runs, on Ray), `lab`
-(JupyterLab on the chapters), `validate` (the prepared GPU validation run). Nothing
+(JupyterLab on the chapters), `validate` (the prepared GPU validation run), `explain` (a vLLM start-up log's numbers). Nothing
 here imports torch or Ray: the commands that need them import them when they run."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import argparse
 import sys
 
 from kit.errors import ConfigError
-from kit.cli import bench, lab, new_checkpoint, validate
+from kit.cli import bench, explain, lab, new_checkpoint, validate
 from kit.execute import notebooks
 from kit.pages import report
 from kit.sweep import driver
 
-COMMAND_MODULES = [notebooks, report, bench, new_checkpoint, driver, lab, validate]
+COMMAND_MODULES = [notebooks, report, bench, new_checkpoint, driver, lab, validate, explain]
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ from kit.vllm.log import fail_message
 from kit.vllm.logged_run import LoggedRun, logged_run
 from kit.vllm.startup_log import StartupLog, version_tuple
 
-NEW_TOKENS_RULE = (0, 32)  # "KV cache size" = concurrency × max_model_len from here on
+NEW_TOKENS_RULE = (0, 24)  # "KV cache size" = concurrency × max_model_len by here (0.19 not)
 
 
 @dataclass
@@ -89,13 +89,16 @@ def budget_bounds(log: StartupLog, run: LoggedRun) -> tuple[int, int] | None:
 
 
 def tokens_rule(log: StartupLog) -> str:
-    """Which version's rule the log's "KV cache size: N tokens" follows: "0.32"'s
-    (concurrency × max_model_len), or the one before (blocks ÷ groups × block size)."""
+    """Which rule the log's "KV cache size: N tokens" follows: "0.32" (int(concurrency ×
+    max_model_len), vLLM's since about 0.20) or "older" (blocks ÷ groups × block size), read
+    off the log itself where it states both numbers, else from its version."""
+    tokens, conc = log.value("kv_cache_tokens"), log.numbers.get("max_concurrency")
+    if tokens is not None and conc:
+        length, c = conc[0].value, conc[1].value
+        return "0.32" if abs(tokens - c * length) <= 0.005 * length + 1 else "older"
     if log.version:
         return "0.32" if version_tuple(log.version) >= NEW_TOKENS_RULE else "older"
-    tokens, conc = log.numbers.get("kv_cache_tokens"), log.numbers.get("max_concurrency")
-    same_line = tokens and conc and tokens[0].line == conc[0].line
-    return "0.32" if same_line else "older"
+    return "0.32"
 
 
 def logged_tokens(sizing: VLLMKVSizing, rule: str) -> int | None:
@@ -144,18 +147,27 @@ def within(logged, value: float) -> bool:
 
 def explain(log: StartupLog, model: str | None = None, given: dict | None = None) -> Explained:
     """Every number `log` states, computed again for its model and settings (`logged_run`)."""
+    if given and given.get("vllm_version") and not log.version:
+        log.version = str(given["vllm_version"])
     run = logged_run(log, model, given)
     records: list = []
     sizer = build_sizer(run, records)
+    pages = hybrid_pages(sizer.specs)
+    if pages:  # the log's attention block, or the one its device's backend would pick
+        block = log.value("attention_block_size") or aligned_block(
+            *pages, ALIGNMENTS.get(run.device, 16))
+        align_to_logged_block(sizer, int(block))
     per_block = pool_block_bytes(sizer, run)
     bounds = budget_bounds(log, run)
     blocks = None
-    if bounds:
-        blocks = tuple(size_at(sizer, run, b).num_blocks or 0 for b in bounds)
+    if bounds:  # vLLM's `get_num_blocks`: the memory over what a block costs in every layer
+        blocks = (bounds[0] // per_block, bounds[1] // per_block)
     rule = tokens_rule(log)
     tokens = log.value("kv_cache_tokens")
     sizing = None
-    if tokens is not None:
+    if log.value("gpu_blocks"):  # vLLM's V0 engine logs the blocks themselves
+        sizing = size_at(sizer, run, int(log.value("gpu_blocks")) * per_block)
+    elif tokens is not None:
         sizing = match_tokens(sizer, run, per_block, int(tokens), rule, blocks)
     if sizing is None and bounds:
         sizing = size_at(sizer, run, bounds[0], records)
@@ -167,19 +179,26 @@ def explain(log: StartupLog, model: str | None = None, given: dict | None = None
 
 
 def cost_ratio_reason(ex: Explained, per_block: int, tokens: int, rule: str) -> str:
-    """Why the log's tokens are not what its memory buys the kit's model: what one block costs
-    by the log against by the config, named where the ratio has a usual cause."""
+    """Why the log's tokens are not what its memory buys the kit's model: another version's
+    rule, or what one block costs by the log against by the config (`block_cost_reason`)."""
     other = "older" if rule == "0.32" else "0.32"
     if ex.blocks and match_tokens(ex.sizer, ex.run, per_block, tokens, other, ex.blocks):
-        return (f"the log's tokens follow vLLM's {'older' if other == 'older' else '0.32'} rule "
-                "for the KV cache's size: another vLLM version than the log says")
-    bounds = budget_bounds(ex.log, ex.run)
+        return (f"the log's tokens follow vLLM's {'0.32' if other == '0.32' else 'older'} rule "
+                "for the KV cache's size: another vLLM version than the kit assumed (give "
+                "--set vllm_version=...)")
     one = size_at(ex.sizer, ex.run, 1024 * per_block)
     rate = (logged_tokens(one, rule) or 1) / 1024
+    return block_cost_reason(ex, per_block, tokens / rate)
+
+
+def block_cost_reason(ex: Explained, per_block: int, blocks: float) -> str:
+    """What one block costs by the log (its memory ÷ its blocks) against by the config, named
+    where the ratio has a usual cause."""
+    bounds = budget_bounds(ex.log, ex.run)
     if not bounds:
-        return "the log states no KV cache memory to compare the blocks with"
-    logged_per_block = bounds[0] / (tokens / rate)
-    ratio = logged_per_block / per_block
+        return ("the log states no KV cache memory to compare with: another model or a "
+                "setting the log does not state")
+    ratio = bounds[0] / blocks / per_block
     causes = {0.5: "an fp8 KV cache (kv_cache_dtype=fp8) or twice the tensor-parallel ranks",
               2.0: "a KV cache in twice the bytes (float32, or kv_cache_dtype not fp8) or half "
                    "the tensor-parallel ranks"}
@@ -197,12 +216,17 @@ def tokens_number(ex: Explained, per_block: int, rule: str) -> list[Number | Non
     how_rule = ("int(max concurrency × max_model_len), vLLM 0.32's rule" if rule == "0.32" else
                 "blocks ÷ groups × block size, the rule before vLLM 0.32")
     if s is None:
-        lo, hi = (size_at(ex.sizer, ex.run, b * per_block) for b in ex.blocks or (1, 1))
+        if not ex.blocks:
+            return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text, None, False,
+                           f"no block count gives these tokens, counted as {how_rule}",
+                           cost_ratio_reason(ex, per_block, logged_t, rule))]
+        lo, hi = (size_at(ex.sizer, ex.run, b * per_block) for b in ex.blocks)
         kit = f"{logged_tokens(lo, rule):,} to {logged_tokens(hi, rule):,}"
         return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text, kit, False,
                        f"the blocks the log's memory buys, counted as {how_rule}",
                        cost_ratio_reason(ex, per_block, logged_t, rule))]
-    inside = not ex.blocks or ex.blocks[0] <= s.num_blocks <= ex.blocks[1]
+    inside = (not ex.blocks or ex.blocks[0] <= s.num_blocks <= ex.blocks[1]) and \
+        logged_tokens(s, rule) == logged_t
     how = (f"{s.num_blocks:,} blocks of {s.block_size} tokens in {len(s.groups)} group(s), "
            f"counted as {how_rule}")
     why = None if inside else cost_ratio_reason(ex, per_block, logged_t, rule)
@@ -221,9 +245,9 @@ def concurrency_number(ex: Explained, per_block: int, rule: str) -> list[Number 
     ok = within(c[1], s.max_concurrency) and length == int(ex.run.settings["max_model_len"])
     why = None
     if not ok:
-        why = ("vLLM before 0.32 counted what a request reserves otherwise (windows and Mamba "
-               "states as full-length)" if rule != "0.32" else
-               "max_model_len or max_num_batched_tokens differ from the log's")
+        why = ("vLLM before about 0.20 counted what a request reserves otherwise (its Mamba "
+               "states and windows by other rules)" if rule != "0.32" else
+               "max_model_len, max_num_batched_tokens or prefix caching differ from the log's")
     return [Number("max_concurrency", f"maximum concurrency at {length:,} tokens", c[1].text,
                    f"{s.max_concurrency:.2f}", ok, how, why)]
 
@@ -273,6 +297,9 @@ def weights_number(ex: Explained, per_block: int, rule: str) -> list[Number | No
     if not ok:
         why = (f"the weights are stored quantized ({quant}): the kit counts "
                f"{ex.run.settings['dtype']} parameters" if quant else
+               "fewer bytes than the config's parameters in the served dtype: a quantized "
+               "checkpoint (the config given holds no quantization_config)"
+               if w[0].value < 0.8 * counted / GiB else
                "the loaded model differs from the config's shapes (a vision tower or "
                "speculative drafter loaded beside it, tied or untied embeddings)")
     return [Number("weights_gib", "the weights loaded", w[0].text, gib(counted), ok, how, why)]
@@ -417,7 +444,8 @@ def padding_number(ex: Explained, per_block: int, rule: str) -> list[Number | No
     return [Number("padding_layers", "padding layers", f"{logged[0].text} layers, "
                    f"{logged[1].text}%", kit, ok, "vLLM's grouping of the layers by kind "
                    "(groups as large as the smallest kind's count; the others padded)",
-                   None if ok else "the model's layer kinds differ from the config's")]
+                   None if ok else "the engine's layers differ from the config's: a speculative "
+                   "drafter (speculative_config) or another tower adds layers of one kind")]
 
 
 def longest_that_fits(ex: Explained, budget: int) -> int | None:
@@ -457,12 +485,24 @@ def refusal_numbers(ex: Explained, per_block: int, rule: str) -> list[Number | N
                           "what each layer of one request reserves at max_model_len, summed"))
     if "too_long_tokens" in n and bounds:
         length, tokens = (int(x.value) for x in n["too_long_tokens"])
-        blocks = size_at(ex.sizer, ex.run, bounds[0]).num_blocks or ex.blocks and ex.blocks[0]
-        ours = (blocks or 0) * int(ex.run.settings["block_size"])
+        blocks = int(ex.log.value("gpu_blocks") or bounds[0] // per_block)
+        ours = blocks * int(ex.run.settings["block_size"])
         out.append(Number("too_long_tokens", "the tokens the KV cache stores", f"{tokens:,}",
-                          f"{ours:,}", ours == tokens, "blocks × block size"))
+                          f"{ours:,}", ours == tokens, "the KV cache's blocks × block size"))
     return out
 
 
-NUMBERS = (tokens_number, concurrency_number, memory_number, weights_number, budget_numbers,
+def blocks_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
+    got = ex.log.numbers.get("gpu_blocks")
+    if not got or not ex.blocks:
+        return []
+    lo, hi = ex.blocks
+    ok = lo <= int(got[0].value) <= hi
+    return [Number("gpu_blocks", "the KV cache's blocks", got[0].text,
+                   f"{lo:,}" if lo == hi else f"{lo:,} to {hi:,}", ok,
+                   f"the logged KV cache memory ÷ {per_block:,} B a block",
+                   None if ok else block_cost_reason(ex, per_block, got[0].value))]
+
+
+NUMBERS = (blocks_number, tokens_number, concurrency_number, memory_number, weights_number, budget_numbers,
            cudagraph_numbers, hybrid_numbers, padding_number, refusal_numbers)

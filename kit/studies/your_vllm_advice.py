@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from kit.errors import ConfigError
 from kit.units import GiB
-from kit.studies.your_vllm import (Explained, build_sizer, hybrid_pages, longest_that_fits,
+from kit.studies.your_vllm import (Explained, budget_bounds, build_sizer, tokens_rule, hybrid_pages, longest_that_fits,
                                    pool_block_bytes, size_at, total_memory)
 
 
@@ -74,9 +74,9 @@ def windows_pitfall(ex: Explained) -> str | None:
             f"{s.blocks_per_request:,} blocks over {len(s.groups)} groups (windows, chunks or "
             f"states reserve less than the full {full:,}), so {s.num_blocks:,} blocks serve "
             f"{s.max_concurrency:.2f} such requests; the \"KV cache size\" line counts "
-            + ("concurrency × max_model_len (vLLM 0.32)" if ex.log.version and
-               ex.log.version >= "0.32" else "blocks ÷ groups × block size before vLLM 0.32, "
-               "which is not tokens ÷ concurrency"))
+            + ("concurrency × max_model_len" if tokens_rule(ex.log) == "0.32" else
+               "blocks ÷ groups × block size (vLLM before about 0.20), which is not "
+               "concurrency × max_model_len"))
 
 
 def block_pitfall(ex: Explained) -> str | None:
@@ -93,7 +93,7 @@ def padding_pitfall(ex: Explained) -> str | None:
     got = ex.log.numbers.get("padding_layers")
     if not got:
         return None
-    return (f"{got[0][0].text} padding layers: vLLM groups the layers by kind in groups of equal "
+    return (f"{got[0].text} padding layers: vLLM groups the layers by kind in groups of equal "
             f"size and pads the short one, so up to {got[1].text}% of the KV cache's memory "
             "can hold nothing.")
 
@@ -142,8 +142,10 @@ def too_long_pitfall(ex: Explained) -> str | None:
     n = ex.log.numbers
     if not ("too_long_gib" in n or "too_long_tokens" in n):
         return None
-    budget = int((n["too_long_gib"][2].value if "too_long_gib" in n else
-                  n.get("available_kv_gib", [None])[0].value) * GiB)
+    bounds = budget_bounds(ex.log, ex.run)
+    if not bounds:
+        return None
+    budget = bounds[0]
     longest = longest_that_fits(ex, budget)
     return (f"max_model_len={int(ex.run.settings['max_model_len']):,} does not fit one request "
             f"in the KV cache's memory; the longest that does is {longest:,} tokens"

@@ -94,6 +94,8 @@ def logged_settings(log: StartupLog, given: dict) -> tuple[dict, dict]:
         logged = log.setting(name)
         if logged is None:
             logged = log.engine.get(ENGINE_NAMES.get(name, ""))
+        if logged is None and name == "max_model_len" and log.value("max_concurrency"):
+            logged = int(log.value("max_concurrency"))  # "for N tokens per request"
         if name in given:
             settings[name], source[name] = given[name], "given"
         elif logged is not None:

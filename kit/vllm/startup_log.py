@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kit.errors import ConfigError
 
-NUM = r"(-?[\d,]+(?:\.\d+)?)"
+NUM = r"(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
 GIB = NUM + r" ?Gi?B"
 # Each number the kit reads: its key, what it is, and the pattern whose groups hold it.
 LINES = {
@@ -20,17 +20,19 @@ LINES = {
                     r"(?:Model loading took|Loading model weights took) " + GIB),
     "requested_gib": ("capacity × gpu_memory_utilization",
                       r"gpu_memory_utilization \(" + NUM + r"\) = " + GIB),
-    "total_gpu_gib": ("the device's capacity", r"total_gpu_memory \(" + GIB + r"\)"),
+    "total_gpu_gib": ("the device's capacity", r"total_gpu_memory(?: \(|=)" + GIB),
     "profiled_weights_gib": ("the weights, as profiled",
                              r"(?:model weights take|weights memory:) " + GIB),
     "non_torch_gib": ("memory outside PyTorch",
-                      r"(?:non_torch_memory takes|non-torch forward increase memory:) " + GIB),
+                      r"(?:non_torch_memory takes |non_torch_memory=|non-torch forward increase memory: )"
+                      + GIB),
     "activation_gib": ("the profiling run's activation peak",
                        r"(?:PyTorch activation peak memory takes|torch peak memory increase:) "
                        + GIB),
     "non_kv_gib": ("everything but the KV cache", r"Total non-KV cache memory: " + GIB),
     "available_kv_gib": ("the KV cache's memory",
-                         r"(?:Available KV cache memory:|reserved for KV Cache is) " + GIB),
+                         r"(?:Available KV cache memory: |reserved for KV Cache is |kv_cache_size=)" + GIB),
+    "gpu_blocks": ("the KV cache's blocks", r"GPU blocks: " + NUM),
     "cpu_kv_gib": ("the KV cache's memory (CPU)", r"Explicitly set \(" + NUM + r"/"),
     "cudagraph_estimate_gib": ("the CUDA graphs' estimated memory",
                                r"Estimated CUDA graph memory: " + GIB + " total"),
@@ -163,7 +165,7 @@ def read_line(log: StartupLog, line: str) -> None:
 
 
 # Lines a KV cache explanation needs at least one of.
-KV_LINES = ("kv_cache_tokens", "available_kv_gib", "cpu_kv_gib", "mamba_blocks_refusal",
+KV_LINES = ("kv_cache_tokens", "gpu_blocks", "available_kv_gib", "cpu_kv_gib", "mamba_blocks_refusal",
             "too_long_tokens", "too_long_gib")
 
 
