@@ -40,19 +40,6 @@ def target_of(text: str | None) -> tuple[int, int] | None:
         raise ConfigError(f"--target {text!r}: give REQUESTSxTOKENS, e.g. 16x32768") from None
 
 
-def document(ex, target) -> dict:
-    """Everything `explain` found, as plain data."""
-    from kit.studies import your_vllm_advice as advice
-    return {"model": ex.run.model, "vllm_version": ex.log.version, "device": ex.run.device,
-            "answer": advice.answer(ex),
-            "settings": {k: {"value": v, "from": ex.run.source.get(k)}
-                         for k, v in ex.run.settings.items()},
-            "numbers": [n.as_dict() for n in ex.numbers],
-            "pitfalls": advice.pitfalls(ex), "groups": advice.groups_table(ex),
-            "budget_gib": dict(advice.waterfall(ex)),
-            "what_if": [r.__dict__ for r in advice.what_if(ex, target)]}
-
-
 def text_lines(doc: dict) -> list[str]:
     """The document as a reader sees it in a terminal."""
     lines = [doc["answer"], ""]
@@ -74,10 +61,10 @@ def text_lines(doc: dict) -> list[str]:
 
 def run(args) -> int:
     from kit.studies.your_vllm import explain
+    from kit.studies.your_vllm_advice import document
     from kit.vllm.startup_log import read_log_file
     given, target = given_settings(args.set or []), target_of(args.target)
-    ex = explain(read_log_file(args.log), args.model, given)
-    doc = document(ex, target)
+    doc = document(explain(read_log_file(args.log), args.model, given), target)
     print(json.dumps(doc, indent=1, default=str) if args.json else "\n".join(text_lines(doc)))
     return 0
 

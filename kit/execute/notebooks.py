@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kit.config import DATA, DEFAULT_PRESET, PRESETS_DIR, known_names, load
+from kit.config import DATA, DEFAULT_PRESET, PARAMETERS, PRESETS_DIR, known_names, load
 from kit.errors import ConfigError
 from kit.execute.progress import Progress
 from kit.execute.runlog import LOG_NAME, RunLog
@@ -76,8 +76,17 @@ def validate(preset: str, notebooks: list[Path], params: dict) -> dict[Path, set
     if unknown:
         raise ConfigError(f"unknown parameter(s) {unknown}; these notebooks take "
                           f"{sorted(known - {'preset'})}")
-    load(preset, **{k: v for k, v in params.items() if k != "preset"})
+    load(preset, **settings_params(params))
+    if params.get("vllm_log"):  # chapter 06's log: read before any notebook runs
+        from kit.vllm.startup_log import read_log_file
+        read_log_file(params["vllm_log"])
     return declared
+
+
+def settings_params(params: dict) -> dict:
+    """The parameters that are settings (`kit.config.settings.PARAMETERS`); the others belong
+    to one chapter (06's log and its model)."""
+    return {k: v for k, v in params.items() if k in PARAMETERS}
 
 
 def kernel_env() -> dict:
@@ -212,7 +221,7 @@ def run(preset: str = DEFAULT_PRESET, names: list[str] = (), params: dict | None
     params = dict(params or {})
     notebooks = find_notebooks(list(names))
     declared = validate(preset, notebooks, params)
-    settings = load(preset, **{k: v for k, v in params.items() if k != "preset"})
+    settings = load(preset, **settings_params(params))
     run_path = new_run_dir(Path(out or Path.cwd() / "runs"), preset)
     os.environ[RUN_DIR_ENV] = str(run_path)
     from kit.measure.device import describe_apart, versions

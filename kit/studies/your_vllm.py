@@ -213,8 +213,8 @@ def tokens_number(ex: Explained, per_block: int, rule: str) -> list[Number | Non
     if not t:
         return []
     s, logged_t = ex.sizing, int(t[0].value)
-    how_rule = ("int(max concurrency × max_model_len), vLLM 0.32's rule" if rule == "0.32" else
-                "blocks ÷ groups × block size, the rule before vLLM 0.32")
+    how_rule = ("int(max concurrency × max_model_len), vLLM's rule since about 0.20"
+                if rule == "0.32" else "blocks ÷ groups × block size, the rule before about 0.20")
     if s is None:
         if not ex.blocks:
             return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text, None, False,

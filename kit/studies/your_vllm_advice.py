@@ -231,3 +231,14 @@ def answer(ex: Explained) -> str:
     verdict = (f"all {len(numbers)} numbers the kit can compute agree with the log" if not off
                else f"{len(off)} of {len(numbers)} numbers differ ({', '.join(n.key for n in off)})")
     return f"{head}; {verdict}."
+
+
+def document(ex: Explained, target: tuple[int, int] | None = None) -> dict:
+    """Everything the log's explanation found, as plain data (`kit explain --json`)."""
+    return {"model": ex.run.model, "vllm_version": ex.log.version, "device": ex.run.device,
+            "answer": answer(ex),
+            "settings": {k: {"value": v, "from": ex.run.source.get(k)}
+                         for k, v in ex.run.settings.items()},
+            "numbers": [n.as_dict() for n in ex.numbers], "pitfalls": pitfalls(ex),
+            "groups": groups_table(ex), "budget_gib": dict(waterfall(ex)),
+            "what_if": [r.__dict__ for r in what_if(ex, target)]}

@@ -196,7 +196,11 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def read_log_file(path) -> StartupLog:
-    path = Path(path)
+    """The log in file `path`: as given, else relative to the kit's folder (data/logs/...)."""
+    from kit.config import DATA
+    path = Path(path).expanduser()
+    if not path.is_file() and not path.is_absolute() and (DATA.parent / path).is_file():
+        path = DATA.parent / path
     if not path.is_file():
         raise ConfigError(f"no log at {path}: give the path of a file holding vLLM's start-up "
                           "output (e.g. `vllm serve … 2>&1 | tee vllm.log`)")
