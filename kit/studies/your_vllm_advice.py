@@ -145,11 +145,17 @@ def too_long_pitfall(ex: Explained) -> str | None:
     bounds = budget_bounds(ex.log, ex.run)
     if not bounds:
         return None
-    budget = bounds[0]
+    blocks = ex.log.value("gpu_blocks")  # the blocks themselves, where the log states them
+    budget = int(blocks) * pool_block_bytes(ex.sizer, ex.run) if blocks else bounds[0]
     longest = longest_that_fits(ex, budget)
+    if not longest:
+        return "max_model_len does not fit: not even one block of it fits the KV cache"
+    logged = ex.log.numbers.get("too_long_tokens")
+    theirs = (f" (the log's vLLM counted {int(logged[1].value):,} tokens, every block; 0.32 keeps one "
+              "back as its null block)" if logged and int(logged[1].value) != longest else "")
     return (f"max_model_len={int(ex.run.settings['max_model_len']):,} does not fit one request "
-            f"in the KV cache's memory; the longest that does is {longest:,} tokens"
-            if longest else "not even one block fits")
+            f"in the KV cache's memory; the longest that does is {longest:,} tokens by vLLM "
+            f"0.32's check{theirs}: lower max_model_len to it, or give the cache more memory.")
 
 
 @dataclass(frozen=True)
