@@ -1,7 +1,7 @@
 """`python -m kit explain LOG`: a vLLM start-up log's memory and KV cache numbers, each
 computed again by vLLM 0.32's sizing code from the model's config.json and the run's settings,
 with whether it agrees with the log, the pitfalls the log shows and a what-if table
-(`kit.studies.your_vllm`). `--json` prints the same as one JSON document."""
+(`kit.vllm.log_numbers`, `kit.studies.your_vllm`). `--json` prints the same as one JSON document."""
 from __future__ import annotations
 
 import ast
@@ -29,17 +29,6 @@ def given_settings(pairs: list[str]) -> dict:
     return out
 
 
-def target_of(text: str | None) -> tuple[int, int] | None:
-    """`--target 16x32768`: 16 requests of 32,768 tokens."""
-    if not text:
-        return None
-    try:
-        n, _, length = text.lower().partition("x")
-        return int(n), int(length.replace(",", ""))
-    except ValueError:
-        raise ConfigError(f"--target {text!r}: give REQUESTSxTOKENS, e.g. 16x32768") from None
-
-
 def text_lines(doc: dict) -> list[str]:
     """The document as a reader sees it in a terminal."""
     lines = [doc["answer"], ""]
@@ -59,12 +48,10 @@ def text_lines(doc: dict) -> list[str]:
     return lines
 
 
-def run(args) -> int:
-    from kit.studies.your_vllm import explain
-    from kit.studies.your_vllm_advice import document
-    from kit.vllm.startup_log import read_log_file
+def explain_command(args) -> int:
+    from kit.studies.your_vllm import document, explain_log, target_of
     given, target = given_settings(args.set or []), target_of(args.target)
-    doc = document(explain(read_log_file(args.log), args.model, given), target)
+    doc = document(explain_log(args.log, args.model, given), target)
     print(json.dumps(doc, indent=1, default=str) if args.json else "\n".join(text_lines(doc)))
     return 0
 
@@ -80,4 +67,4 @@ def add_cli(sub) -> None:
                    help=f"a setting the log does not state ({', '.join(SET_NAMES)})")
     p.add_argument("--target", help="REQUESTSxTOKENS: mark the what-if rows that reach it")
     p.add_argument("--json", action="store_true", help="print one JSON document")
-    p.set_defaults(func=run)
+    p.set_defaults(func=explain_command)

@@ -1,6 +1,6 @@
 """Chapter 06's figures and tables: a logged run's budget as a waterfall, what one request
 reserves in each of vLLM's groups, the log's numbers beside the kit's, and the what-if rows.
-Drawn from plain values handed in (`kit.studies.your_vllm_advice` makes them)."""
+Drawn from plain values handed in (`kit.studies.your_vllm` makes them)."""
 from __future__ import annotations
 
 import plotly.graph_objects as go

@@ -1,508 +1,268 @@
-"""Chapter 06 and `python -m kit explain LOG`: every number a vLLM start-up log states about
-memory and the KV cache, computed again from the model's config.json and the run's settings
-with vLLM 0.32's own sizing code (`kit.vllm.kv_sizing`, no engine), and whether the two agree
-within the log's rounding ("6.51 GiB" is any byte count from 6.505 to 6.515 GiB, and the blocks
-such a budget buys are a range too); where they do not, what differs."""
+"""What a vLLM start-up log means for its user (chapter 06, `python -m kit explain`): the
+pitfalls it shows in this model's terms, the budget as a waterfall, the groups and what one
+request reserves in each, and the settings that would reach a target, each sized by vLLM
+0.32's own code at the log's memory (the numbers themselves: `kit.vllm.log_numbers`)."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from kit.errors import ConfigError
 from kit.units import GiB
-from kit.vllm.kv_sizing import VLLMSizer, VLLMKVSizing
-from kit.vllm.log import fail_message
-from kit.vllm.logged_run import LoggedRun, logged_run
-from kit.vllm.startup_log import StartupLog, version_tuple
-
-NEW_TOKENS_RULE = (0, 24)  # "KV cache size" = concurrency × max_model_len by here (0.19 not)
+from kit.vllm.log_numbers import Explained, explain, tokens_rule, total_memory
+from kit.vllm.logged_run import (budget_bounds, build_sizer, hybrid_pages, longest_that_fits,
+                                 pool_block_bytes, size_at)
+from kit.vllm.startup_log import read_log_file
 
 
-@dataclass
-class Number:
-    """One number the log states: as logged, the kit's, whether they agree (None: the kit
-    cannot compute it here, and `how` says what the log implies), how the kit got it, and
-    where they disagree, why."""
-
-    key: str
-    what: str
-    logged: str
-    kit: str | None
-    agrees: bool | None
-    how: str
-    why: str | None = None
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None or k == "agrees"}
+def explain_log(path, model: str | None = None, settings: dict | None = None) -> Explained:
+    """The log in file `path` explained (`kit.vllm.log_numbers.explain`)."""
+    return explain(read_log_file(path), model, settings)
 
 
-@dataclass
-class Explained:
-    """A log explained: its run, the sizing at the blocks the log's numbers pin, its numbers,
-    and the pitfalls it shows."""
-
-    log: StartupLog
-    run: LoggedRun
-    sizer: VLLMSizer
-    sizing: VLLMKVSizing | None
-    blocks: tuple[int, int] | None  # the blocks the log's memory allows (lowest, highest)
-    numbers: list[Number] = field(default_factory=list)
-    pitfalls: list[str] = field(default_factory=list)
-    build_lines: list[str] = field(default_factory=list)  # what vLLM logged building the specs
-
-    def number(self, key: str) -> Number | None:
-        return next((n for n in self.numbers if n.key == key), None)
-
-
-def build_sizer(run: LoggedRun, records: list | None = None) -> VLLMSizer:
-    s = run.settings
-    try:
-        return VLLMSizer.build(run.folder(), block_size=int(s["block_size"]),
-                               max_model_len=int(s["max_model_len"]),
-                               kv_cache_dtype=str(s["kv_cache_dtype"]), dtype=str(s["dtype"]),
-                               tensor_parallel_size=int(s["tensor_parallel_size"]),
-                               enable_prefix_caching=s["enable_prefix_caching"],
-                               records=records)
-    except Exception as e:  # vLLM refuses the config or the settings
-        raise ConfigError(f"vLLM 0.32 cannot size {run.model} at the log's settings: "
-                          f"{fail_message(e)}") from None
-
-
-def size_at(ex_or_sizer, run: LoggedRun, budget: int, records=None) -> VLLMKVSizing:
-    s = run.settings
-    return ex_or_sizer.size(int(budget), int(s["max_model_len"]),
-                            int(s["max_num_batched_tokens"]), records)
-
-
-def budget_bounds(log: StartupLog, run: LoggedRun) -> tuple[int, int] | None:
-    """The KV cache's bytes as the log pins them: exact when kv_cache_memory_bytes was set,
-    else the range its rounded GiB allows."""
-    exact = run.settings.get("kv_cache_memory_bytes") or log.setting("kv_cache_memory_bytes")
-    if exact:
-        return int(exact), int(exact)
-    for key, index in (("available_kv_gib", 0), ("cpu_kv_gib", 0), ("too_long_gib", 2)):
-        got = log.numbers.get(key)
-        if got:
-            lo, hi = got[index].bounds()
-            return math.ceil(lo * GiB), math.floor(hi * GiB)
-    return None
-
-
-def tokens_rule(log: StartupLog) -> str:
-    """Which rule the log's "KV cache size: N tokens" follows: "0.32" (int(concurrency ×
-    max_model_len), vLLM's since about 0.20) or "older" (blocks ÷ groups × block size), read
-    off the log itself where it states both numbers, else from its version."""
-    tokens, conc = log.value("kv_cache_tokens"), log.numbers.get("max_concurrency")
-    if tokens is not None and conc:
-        length, c = conc[0].value, conc[1].value
-        return "0.32" if abs(tokens - c * length) <= 0.005 * length + 1 else "older"
-    if log.version:
-        return "0.32" if version_tuple(log.version) >= NEW_TOKENS_RULE else "older"
-    return "0.32"
-
-
-def logged_tokens(sizing: VLLMKVSizing, rule: str) -> int | None:
-    """The tokens vLLM logs for `sizing` under `rule` (`tokens_rule`)."""
-    if sizing.num_blocks is None:
+def target_of(text: str | None) -> tuple[int, int] | None:
+    """A target as `16x32768` (16 requests of 32,768 tokens); None for none."""
+    if not text:
         return None
-    if rule == "0.32":
-        return sizing.num_tokens
-    groups = max(1, len(sizing.groups))
-    return sizing.num_blocks // groups * sizing.block_size
+    try:
+        n, _, length = str(text).lower().partition("x")
+        return int(n), int(length.replace(",", ""))
+    except ValueError:
+        raise ConfigError(f"target {text!r}: give REQUESTSxTOKENS, e.g. 16x32768") from None
 
 
-def pool_block_bytes(sizer: VLLMSizer, run: LoggedRun) -> int:
-    """What one block id costs in the pool every group shares (one sizing at 1 TiB)."""
-    return size_at(sizer, run, 1 << 40).bytes_per_block or 1
+def kv_bytes(ex: Explained) -> int | None:
+    """The KV cache's memory as the log's blocks spend it."""
+    s = ex.sizing
+    return s.num_blocks * pool_block_bytes(ex.sizer, ex.run) if s and s.num_blocks else None
 
 
-def match_tokens(sizer, run, per_block: int, tokens: int, rule: str,
-                 blocks: tuple[int, int] | None) -> VLLMKVSizing | None:
-    """The sizing whose logged tokens equal `tokens` (within `blocks` when the log's memory
-    pins them): every block count in a narrow range, else those near the count the tokens
-    imply."""
-    if blocks and blocks[1] - blocks[0] <= 256:
-        candidates = range(blocks[0], blocks[1] + 1)
-    else:
-        one = size_at(sizer, run, 1024 * per_block)
-        rate = (logged_tokens(one, rule) or 0) / 1024
-        guess = int(tokens / rate) if rate else 1
-        candidates = sorted(range(max(1, guess - 16), guess + 17), key=lambda n: abs(n - guess))
-    for n in candidates:
-        sizing = size_at(sizer, run, n * per_block)
-        if logged_tokens(sizing, rule) == tokens:
-            return sizing
-    return None
+def groups_table(ex: Explained) -> list[dict]:
+    """vLLM's groups: their kind, layers, and the blocks and tokens one max_model_len request
+    reserves in each."""
+    s, block = ex.sizing, ex.sizer.vllm_config.cache_config.block_size
+    if s is None:
+        return []
+    rows = []
+    for g in s.groups:
+        kind = ("Mamba state" if "Mamba" in g.spec else
+                f"sliding window {g.window:,}" if g.window else
+                f"chunks of {g.chunk:,}" if g.chunk else
+                "latent attention" if "MLA" in g.spec else "full attention")
+        rows.append({"kind": kind, "layers": len(g.layers), "blocks per request":
+                     g.blocks_per_request, "tokens per request": g.blocks_per_request * block})
+    return rows
 
 
-def gib(n_bytes: float) -> str:
-    return f"{n_bytes / GiB:.2f} GiB"
+def waterfall(ex: Explained) -> list[tuple[str, float | None]]:
+    """capacity × utilization − weights − activations − non-torch − CUDA graphs = KV cache, in
+    GiB, each as logged (None where the log is silent; the remainder where it can be
+    inferred)."""
+    n, v = ex.log.numbers, ex.log.value
+    total = total_memory(ex)
+    util = float(ex.run.settings["gpu_memory_utilization"])
+    requested = v("requested_gib", 1) or (total * util if total else None)
+    weights = v("profiled_weights_gib") or v("weights_gib")
+    kv = v("available_kv_gib") or v("cpu_kv_gib")
+    graphs = v("cudagraph_estimate_gib") if "equivalent_utilization" in n else None
+    act, non_torch = v("activation_gib"), v("non_torch_gib")
+    if requested and kv is not None and weights is not None and act is None:
+        rest = requested - kv - weights - (graphs or 0) - (non_torch or 0)
+        act = round(rest, 2)  # activations and whatever else vLLM's profile counted
+    return [("capacity × utilization", requested), ("weights", weights),
+            ("activations (peak)", act), ("non-torch", non_torch), ("CUDA graphs", graphs),
+            ("KV cache", kv)]
 
 
-def within(logged, value: float) -> bool:
-    """`value` rounds to what the log states (a `Logged`)."""
-    lo, hi = logged.bounds()
-    return lo - 1e-9 <= value <= hi + 1e-9
+def pitfalls(ex: Explained) -> list[str]:
+    """The pitfalls the log shows, each with its cause in this model's terms."""
+    out = [p for p in (windows_pitfall(ex), block_pitfall(ex), padding_pitfall(ex),
+                       states_pitfall(ex), graphs_pitfall(ex), tp_pitfall(ex),
+                       too_long_pitfall(ex)) if p]
+    return out
 
 
-def explain(log: StartupLog, model: str | None = None, given: dict | None = None) -> Explained:
-    """Every number `log` states, computed again for its model and settings (`logged_run`)."""
-    if given and given.get("vllm_version") and not log.version:
-        log.version = str(given["vllm_version"])
-    run = logged_run(log, model, given)
-    records: list = []
-    sizer = build_sizer(run, records)
-    pages = hybrid_pages(sizer.specs)
-    if pages:  # the log's attention block, or the one its device's backend would pick
-        block = log.value("attention_block_size") or aligned_block(
-            *pages, ALIGNMENTS.get(run.device, 16))
-        align_to_logged_block(sizer, int(block))
-    per_block = pool_block_bytes(sizer, run)
-    bounds = budget_bounds(log, run)
-    blocks = None
-    if bounds:  # vLLM's `get_num_blocks`: the memory over what a block costs in every layer
-        blocks = (bounds[0] // per_block, bounds[1] // per_block)
-    rule = tokens_rule(log)
-    tokens = log.value("kv_cache_tokens")
-    sizing = None
-    if log.value("gpu_blocks"):  # vLLM's V0 engine logs the blocks themselves
-        sizing = size_at(sizer, run, int(log.value("gpu_blocks")) * per_block)
-    elif tokens is not None:
-        sizing = match_tokens(sizer, run, per_block, int(tokens), rule, blocks)
-    if sizing is None and bounds:
-        sizing = size_at(sizer, run, bounds[0], records)
-    ex = Explained(log, run, sizer, sizing, blocks,
-                   build_lines=[r.getMessage() for r in records])
-    for make in NUMBERS:
-        ex.numbers.extend(n for n in make(ex, per_block, rule) if n is not None)
-    return ex
+def windows_pitfall(ex: Explained) -> str | None:
+    s, length = ex.sizing, int(ex.run.settings["max_model_len"])
+    if s is None or not s.groups or all(not g.window and not g.chunk for g in s.groups) \
+            and not hybrid_pages(ex.sizer.specs):
+        return None
+    block = ex.sizer.vllm_config.cache_config.block_size
+    full = len(s.groups) * -(-length // block)
+    return (f"Tokens are not concurrency here: a {length:,}-token request reserves "
+            f"{s.blocks_per_request:,} blocks over {len(s.groups)} groups (windows, chunks or "
+            f"states reserve less than the full {full:,}), so {s.num_blocks:,} blocks serve "
+            f"{s.max_concurrency:.2f} such requests; the \"KV cache size\" line counts "
+            + ("concurrency × max_model_len" if tokens_rule(ex.log) == "0.32" else
+               "blocks ÷ groups × block size (vLLM before about 0.20), which is not "
+               "concurrency × max_model_len"))
 
 
-def cost_ratio_reason(ex: Explained, per_block: int, tokens: int, rule: str) -> str:
-    """Why the log's tokens are not what its memory buys the kit's model: another version's
-    rule, or what one block costs by the log against by the config (`block_cost_reason`)."""
-    other = "older" if rule == "0.32" else "0.32"
-    if ex.blocks and match_tokens(ex.sizer, ex.run, per_block, tokens, other, ex.blocks):
-        return (f"the log's tokens follow vLLM's {'0.32' if other == '0.32' else 'older'} rule "
-                "for the KV cache's size: another vLLM version than the kit assumed (give "
-                "--set vllm_version=...)")
-    one = size_at(ex.sizer, ex.run, 1024 * per_block)
-    rate = (logged_tokens(one, rule) or 1) / 1024
-    return block_cost_reason(ex, per_block, tokens / rate)
+def block_pitfall(ex: Explained) -> str | None:
+    logged = ex.log.value("attention_block_size")
+    if not logged:
+        return None
+    return (f"The attention block was enlarged to {int(logged):,} tokens so that one page holds a "
+            f"Mamba state: every request holds at least one such block per attention group, "
+            f"{int(logged):,} tokens even for a 100-token prompt, and prefix caching shares "
+            "only whole blocks.")
 
 
-def block_cost_reason(ex: Explained, per_block: int, blocks: float) -> str:
-    """What one block costs by the log (its memory ÷ its blocks) against by the config, named
-    where the ratio has a usual cause."""
+def padding_pitfall(ex: Explained) -> str | None:
+    got = ex.log.numbers.get("padding_layers")
+    if not got:
+        return None
+    return (f"{got[0].text} padding layers: vLLM groups the layers by kind in groups of equal "
+            f"size and pads the short one, so up to {got[1].text}% of the KV cache's memory "
+            "can hold nothing.")
+
+
+def states_pitfall(ex: Explained) -> str | None:
+    seqs = int(ex.run.settings["max_num_seqs"])
+    got = ex.log.numbers.get("mamba_blocks_refusal")
+    blocks = int(got[1].value) if got else (ex.sizing.num_blocks if ex.sizing and
+                                            hybrid_pages(ex.sizer.specs) else None)
+    if blocks is None or seqs <= blocks:
+        return None
+    return (f"max_num_seqs={seqs:,} is above the {blocks:,} Mamba state blocks: every decoding "
+            f"sequence holds one, so vLLM refuses to capture CUDA graphs for them. Lower "
+            f"max_num_seqs to {blocks:,} or fewer, or give the cache more memory.")
+
+
+def graphs_pitfall(ex: Explained) -> str | None:
+    est = ex.log.value("cudagraph_estimate_gib")
+    equiv = ex.log.value("equivalent_utilization")
+    if est is None or equiv is None:
+        return None
+    return (f"Since vLLM 0.21 the CUDA graphs' estimated {est:.2f} GiB comes off the KV cache's "
+            f"budget: gpu_memory_utilization={ex.run.settings['gpu_memory_utilization']} "
+            f"now buys what {equiv} did before.")
+
+
+def tp_pitfall(ex: Explained) -> str | None:
+    tp = int(ex.run.settings["tensor_parallel_size"])
+    if tp == 1:
+        return None
+    mc = ex.sizer.vllm_config.model_config
+    if mc.use_mla:
+        return (f"Latent attention at tensor_parallel_size={tp}: every rank keeps the whole "
+                "latent cache (one latent per token, not divided by heads), so more ranks add "
+                "memory for weights, not tokens per rank.")
+    total = mc.get_total_num_kv_heads()
+    per_rank = mc.get_num_kv_heads(ex.sizer.vllm_config.parallel_config)
+    if total >= tp:
+        return None
+    return (f"{total} KV heads over {tp} ranks: each rank keeps {per_rank} (heads are "
+            "replicated when there are fewer than ranks), so the ranks past the heads' count "
+            "add no tokens.")
+
+
+def too_long_pitfall(ex: Explained) -> str | None:
+    n = ex.log.numbers
+    if not ("too_long_gib" in n or "too_long_tokens" in n):
+        return None
     bounds = budget_bounds(ex.log, ex.run)
     if not bounds:
-        return ("the log states no KV cache memory to compare with: another model or a "
-                "setting the log does not state")
-    ratio = bounds[0] / blocks / per_block
-    causes = {0.5: "an fp8 KV cache (kv_cache_dtype=fp8) or twice the tensor-parallel ranks",
-              2.0: "a KV cache in twice the bytes (float32, or kv_cache_dtype not fp8) or half "
-                   "the tensor-parallel ranks"}
-    near = next((c for r, c in causes.items() if abs(ratio - r) < 0.02 * r), None)
-    return (f"a block costs {ratio:.3f}× in the log what the config gives ({per_block:,} B): "
-            + (near or "another model (layers, KV heads or head size), or a setting the log "
-               "does not state") + "; give it with --set or --model")
-
-
-def tokens_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    t = ex.log.numbers.get("kv_cache_tokens")
-    if not t:
-        return []
-    s, logged_t = ex.sizing, int(t[0].value)
-    how_rule = ("int(max concurrency × max_model_len), vLLM's rule since about 0.20"
-                if rule == "0.32" else "blocks ÷ groups × block size, the rule before about 0.20")
-    if s is None:
-        if not ex.blocks:
-            return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text, None, False,
-                           f"no block count gives these tokens, counted as {how_rule}",
-                           cost_ratio_reason(ex, per_block, logged_t, rule))]
-        lo, hi = (size_at(ex.sizer, ex.run, b * per_block) for b in ex.blocks)
-        kit = f"{logged_tokens(lo, rule):,} to {logged_tokens(hi, rule):,}"
-        return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text, kit, False,
-                       f"the blocks the log's memory buys, counted as {how_rule}",
-                       cost_ratio_reason(ex, per_block, logged_t, rule))]
-    inside = (not ex.blocks or ex.blocks[0] <= s.num_blocks <= ex.blocks[1]) and \
-        logged_tokens(s, rule) == logged_t
-    how = (f"{s.num_blocks:,} blocks of {s.block_size} tokens in {len(s.groups)} group(s), "
-           f"counted as {how_rule}")
-    why = None if inside else cost_ratio_reason(ex, per_block, logged_t, rule)
-    return [Number("kv_cache_tokens", "KV cache size (tokens)", t[0].text,
-                   f"{logged_tokens(s, rule):,}", inside, how, why)]
-
-
-def concurrency_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    c, s = ex.log.numbers.get("max_concurrency"), ex.sizing
-    if not c or s is None or s.max_concurrency is None:
-        return []
-    length = int(c[0].value)
-    per_request = s.blocks_per_request
-    how = (f"{s.num_blocks:,} blocks ÷ {per_request:,} blocks one {length:,}-token request "
-           f"reserves over {len(s.groups)} group(s)")
-    ok = within(c[1], s.max_concurrency) and length == int(ex.run.settings["max_model_len"])
-    why = None
-    if not ok:
-        why = ("vLLM before about 0.20 counted what a request reserves otherwise (its Mamba "
-               "states and windows by other rules)" if rule != "0.32" else
-               "max_model_len, max_num_batched_tokens or prefix caching differ from the log's")
-    return [Number("max_concurrency", f"maximum concurrency at {length:,} tokens", c[1].text,
-                   f"{s.max_concurrency:.2f}", ok, how, why)]
-
-
-def memory_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    key = next((k for k in ("available_kv_gib", "cpu_kv_gib") if k in ex.log.numbers), None)
-    s = ex.sizing
-    if key is None or s is None or s.num_blocks is None:
-        return []
-    logged = ex.log.numbers[key][0]
-    lo, hi = s.num_blocks * per_block, (s.num_blocks + 1) * per_block - 1
-    ok = logged.bounds()[0] * GiB <= hi and lo <= logged.bounds()[1] * GiB
-    how = (f"{s.num_blocks:,} blocks × {per_block:,} B a block = {gib(lo)} (vLLM leaves what is "
-           "short of one more block unused)")
-    return [Number(key, "the KV cache's memory", logged.text, gib(lo), ok, how,
-                   None if ok else "the log's tokens need more or fewer blocks than this memory")]
-
-
-def weight_bytes(run: LoggedRun) -> int | None:
-    """The weights one rank loads, counted from the config's shapes at the served dtype (split
-    over the tensor-parallel ranks), or None where the kit does not count the family."""
-    from kit.config import DTYPE_BYTES, ModelConfig
-    try:
-        arch = ModelConfig.from_dict(run.config, run.model)
-        count = arch.num_parameters()
-    except Exception:  # noqa: BLE001: a family the kit sizes without counting
         return None
-    return count * DTYPE_BYTES.get(str(run.settings["dtype"]), 2) // int(
-        run.settings["tensor_parallel_size"])
+    blocks = ex.log.value("gpu_blocks")  # the blocks themselves, where the log states them
+    budget = int(blocks) * pool_block_bytes(ex.sizer, ex.run) if blocks else bounds[0]
+    longest = longest_that_fits(ex.sizer, ex.run, budget)
+    if not longest:
+        return "max_model_len does not fit: not even one block of it fits the KV cache"
+    logged = ex.log.numbers.get("too_long_tokens")
+    theirs = (f" (the log's vLLM counted {int(logged[1].value):,} tokens, every block; 0.32 keeps one "
+              "back as its null block)" if logged and int(logged[1].value) != longest else "")
+    return (f"max_model_len={int(ex.run.settings['max_model_len']):,} does not fit one request "
+            f"in the KV cache's memory; the longest that does is {longest:,} tokens by vLLM "
+            f"0.32's check{theirs}: lower max_model_len to it, or give the cache more memory.")
 
 
-def weights_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    w = ex.log.numbers.get("weights_gib")
-    if not w:
-        return []
-    counted = weight_bytes(ex.run)
-    if counted is None:
-        return [Number("weights_gib", "the weights loaded", w[0].text, None, None,
-                       "the kit does not count this family's parameters; the log's value is "
-                       "what the load took on one rank")]
-    ok = abs(counted / GiB - w[0].value) <= max(0.005, 0.02 * w[0].value)
-    quant = ex.run.quantization
-    how = (f"parameters from the config × {ex.run.settings['dtype']} ÷ "
-           f"{ex.run.settings['tensor_parallel_size']} rank(s), within 2% (vLLM measures what "
-           "the load took: buffers and the allocator's rounding beside the parameters)")
-    why = None
-    if not ok:
-        why = (f"the weights are stored quantized ({quant}): the kit counts "
-               f"{ex.run.settings['dtype']} parameters" if quant else
-               "fewer bytes than the config's parameters in the served dtype: a quantized "
-               "checkpoint (the config given holds no quantization_config)"
-               if w[0].value < 0.8 * counted / GiB else
-               "the loaded model differs from the config's shapes (a vision tower or "
-               "speculative drafter loaded beside it, tied or untied embeddings)")
-    return [Number("weights_gib", "the weights loaded", w[0].text, gib(counted), ok, how, why)]
+@dataclass(frozen=True)
+class WhatIf:
+    """One row of the what-if table: a change, the settings it sizes with, and what vLLM's
+    code gives (None where it refuses), with whether it reaches the target."""
+
+    change: str
+    tokens: int | None
+    max_concurrency: float | None
+    max_model_len: int
+    note: str = ""
+    reaches: bool | None = None
 
 
-def budget_numbers(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    """The profiling line's arithmetic (vLLM before about 0.10 logs every term):
-    capacity × utilization = requested; requested − weights − non-torch − activations = KV."""
-    n, out = ex.log.numbers, []
-    if "requested_gib" in n and "total_gpu_gib" in n:
-        util, requested = n["requested_gib"]
-        value = n["total_gpu_gib"][0].value * util.value
-        out.append(Number("requested_gib", "capacity × gpu_memory_utilization",
-                          requested.text, f"{value:.2f} GiB", abs(value - requested.value)
-                          <= 0.01, f"{n['total_gpu_gib'][0].text} GiB × {util.text}"))
-    terms = ("profiled_weights_gib", "non_torch_gib", "activation_gib")
-    if "requested_gib" in n and "available_kv_gib" in n and all(t in n for t in terms):
-        rest = n["requested_gib"][1].value - sum(n[t][0].value for t in terms)
-        kv = n["available_kv_gib"][0]
-        out.append(Number("kv_budget_arithmetic", "requested − weights − non-torch − "
-                          "activations", kv.text, f"{rest:.2f} GiB",
-                          abs(rest - kv.value) <= 0.02 + 1e-9,
-                          "the logged terms, each rounded to 0.01 GiB"))
-    return out
-
-
-def total_memory(ex: Explained) -> float | None:
-    """The device's capacity in GiB: given (`total_memory_gib`), logged by the profiling line,
-    or implied by the CUDA-graph lines (estimate ÷ (utilization − its equivalent))."""
-    n, s = ex.log.numbers, ex.run.settings
-    if s.get("total_memory_gib"):
-        return float(s["total_memory_gib"])
-    if "total_gpu_gib" in n:
-        return n["total_gpu_gib"][0].value
-    util, equiv = s.get("gpu_memory_utilization"), ex.log.value("equivalent_utilization")
+def changes(ex: Explained, budget: int) -> list[tuple[str, dict, int, str]]:
+    """(change, settings changed, KV budget, note) for each what-if row the log allows."""
+    s, out = ex.run.settings, [("as logged", {}, budget, "")]
+    if str(s["kv_cache_dtype"]) in ("auto", "bfloat16", "float16"):
+        out.append(("kv_cache_dtype=fp8", {"kv_cache_dtype": "fp8"}, budget,
+                    "one byte an element; check the model's accuracy"))
+    length = int(s["max_model_len"])
+    out.append((f"max_model_len={length // 2:,}", {"max_model_len": length // 2}, budget, ""))
+    total = total_memory(ex)
+    util = float(s["gpu_memory_utilization"])
+    if total and util <= 0.9:
+        out.append((f"gpu_memory_utilization={util + 0.05:.2f}",
+                    {"gpu_memory_utilization": util + 0.05}, budget + int(0.05 * total * GiB),
+                    f"+{0.05 * total:.2f} GiB of a {total:.2f} GiB device"))
     est = ex.log.value("cudagraph_estimate_gib")
-    if est and equiv is not None and util and float(util) > equiv:
-        return est / (float(util) - equiv)
-    return None
-
-
-def cudagraph_numbers(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    n, out = ex.log.numbers, []
-    est, util = ex.log.value("cudagraph_estimate_gib"), ex.run.settings["gpu_memory_utilization"]
-    if "equivalent_utilization" in n and est is not None:
-        total = total_memory(ex)
-        given = ex.run.settings.get("total_memory_gib")
-        value = float(util) - est / total if total else None
-        out.append(Number(
-            "equivalent_utilization", "gpu_memory_utilization without the graphs' estimate",
-            n["equivalent_utilization"][0].text, f"{value:.4f}" if given else None,
-            abs(value - n["equivalent_utilization"][0].value) <= 5e-5 if given else None,
-            f"{util} − {est:.2f} GiB estimate ÷ capacity; the log implies a capacity of "
-            f"{total:.2f} GiB" if total else "needs the device's capacity"))
-    if "graph_capture_gib" in n:
-        took = n["graph_capture_gib"][1]
-        out.append(Number("graph_capture_gib", "the CUDA graphs, as captured", took.text, None,
-                          None, "measured on the GPU while capturing; the kit runs no CUDA "
-                          "graphs here" + (f"; vLLM's estimate before capture was {est:.2f} GiB"
-                                           if est is not None else "")))
+    if est:
+        out.append(("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0", {}, budget + int(est * GiB),
+                    "the graphs' memory then comes out of what the cache was given: raise "
+                    "it only with headroom"))
+    if hybrid_pages(ex.sizer.specs) and s["enable_prefix_caching"] is not False:
+        out.append(("enable_prefix_caching=False (mamba_cache_mode none)",
+                    {"enable_prefix_caching": False}, budget, "one state per request"))
     return out
 
 
-# The attention backends' kernel blocks the hybrid alignment rounds to: CUDA's FlashAttention
-# and FlashInfer take multiples of 16, vLLM's CPU attention multiples of 32.
-ALIGNMENTS = {"GPU": 16, "CPU": 32}
-
-
-def hybrid_pages(specs: dict) -> tuple[int, int] | None:
-    """(a Mamba state's page unpadded, an attention layer's bytes per token), or None for a
-    model without both."""
-    from dataclasses import replace
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-    mamba = [replace(s, page_size_padded=None).page_size_bytes for s in specs.values()
-             if isinstance(s, MambaSpec)]
-    attn = [s.page_size_bytes // s.block_size for s in specs.values()
-            if isinstance(s, AttentionSpec)]
-    return (max(mamba), max(attn)) if mamba and attn else None
-
-
-def aligned_block(mamba_page: int, attn_per_token: int, align: int) -> int:
-    """vLLM's `_align_hybrid_block_size`: the smallest multiple of `align` tokens whose
-    attention page holds a Mamba state."""
-    return align * -(-mamba_page // (align * attn_per_token))
-
-
-def hybrid_numbers(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    pages = hybrid_pages(ex.sizer.specs)
-    if pages is None:
+def what_if(ex: Explained, target: tuple[int, int] | None = None) -> list[WhatIf]:
+    """Each change of `changes` sized at the log's KV memory by vLLM's code; `target`
+    (requests, tokens each) marks the rows that serve that many requests of that length."""
+    budget = kv_bytes(ex)
+    if budget is None:
         return []
-    mamba, attn = pages
-    align = ALIGNMENTS.get(ex.run.device, 16)
-    block = aligned_block(mamba, attn, align)
-    out = []
-    logged = ex.log.numbers.get("attention_block_size")
-    if logged:
-        out.append(Number("attention_block_size", "the attention block, enlarged", logged[0].text,
-                          f"{block}", block == int(logged[0].value),
-                          f"a Mamba state of {mamba:,} B over {attn:,} B per attention token, "
-                          f"rounded up to the {ex.run.device} backend's multiple of {align}",
-                          None if block == int(logged[0].value) else
-                          "the log's attention backend rounds to another multiple"))
-    pad = ex.log.numbers.get("mamba_padding_pct")
-    if pad:
-        used = int(logged[0].value) if logged else block
-        pct = 100 * (used * attn - mamba) / mamba
-        out.append(Number("mamba_padding_pct", "the Mamba page's padding", pad[0].text,
-                          f"{pct:.2f}%", within(pad[0], pct),
-                          f"({used} tokens × {attn:,} B − {mamba:,} B) ÷ {mamba:,} B"))
-    return out
+    rows = []
+    for change, settings, kv, note in changes(ex, budget):
+        run = replace(ex.run, settings={**ex.run.settings, **settings})
+        try:
+            sizer = ex.sizer if not settings.keys() - {"max_model_len",
+                                                       "gpu_memory_utilization"} else \
+                build_sizer(run)
+        except ConfigError as e:
+            rows.append(WhatIf(change, None, None, int(run.settings["max_model_len"]), str(e)))
+            continue
+        if target:
+            run = replace(run, settings={**run.settings, "max_model_len": min(
+                int(run.settings["max_model_len"]), sizer.longest)})
+        got = size_at(sizer, run, kv)
+        reaches = None
+        if target and got.max_concurrency is not None:
+            at = size_at(sizer, replace(run, settings={**run.settings,
+                                                       "max_model_len": target[1]}), kv)
+            reaches = bool(at.max_concurrency and at.max_concurrency >= target[0])
+        rows.append(WhatIf(change, got.num_tokens, got.max_concurrency,
+                           int(run.settings["max_model_len"]), got.error or note, reaches))
+    return rows
 
 
-def align_to_logged_block(sizer: VLLMSizer, block: int) -> None:
-    """Size with the attention block a GPU log states where vLLM's CPU platform rounded it to
-    its own multiple: every attention spec at `block` tokens, the Mamba pages padded to match."""
-    from dataclasses import replace
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
-    pages = hybrid_pages(sizer.specs)
-    cache = sizer.vllm_config.cache_config
-    if pages is None or cache.block_size == block:
-        return
-    old, attn_page = cache.block_size, block * pages[1]
-    cache.block_size, cache.mamba_page_size_padded = block, attn_page
-    sizer.specs = {
-        name: replace(s, block_size=block) if isinstance(s, AttentionSpec) else
-        replace(s, page_size_padded=attn_page,
-                block_size=block if s.block_size == old else s.block_size)
-        if isinstance(s, MambaSpec) else s for name, s in sizer.specs.items()}
+def answer(ex: Explained) -> str:
+    """The log in one sentence: what its KV cache holds, and whether the kit agrees."""
+    numbers = [n for n in ex.numbers if n.agrees is not None]
+    off = [n for n in numbers if not n.agrees]
+    s = ex.sizing
+    head = (f"{ex.run.model}: {s.num_blocks:,} blocks, {s.max_concurrency:.2f} requests of "
+            f"{int(ex.run.settings['max_model_len']):,} tokens at once"
+            if s and s.max_concurrency else f"{ex.run.model}: the KV cache could not be pinned")
+    verdict = (f"all {len(numbers)} numbers the kit can compute agree with the log" if not off
+               else f"{len(off)} of {len(numbers)} numbers differ ({', '.join(n.key for n in off)})")
+    return f"{head}; {verdict}."
 
 
-def padding_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    logged = ex.log.numbers.get("padding_layers")
-    if not logged or ex.sizing is None:
-        return []
-    records: list = []
-    size_at(ex.sizer, ex.run, ex.sizing.num_blocks * per_block, records)
-    ours = next((r.getMessage() for r in records if "padding layers" in r.getMessage()), None)
-    import re
-    m = re.search(r"Add (\d+) padding layers, may waste at most ([\d.]+)%", ours or "")
-    kit = f"{m.group(1)} layers, {m.group(2)}%" if m else "none"
-    ok = bool(m) and int(m.group(1)) == int(logged[0].value) and m.group(2) == logged[1].text
-    return [Number("padding_layers", "padding layers", f"{logged[0].text} layers, "
-                   f"{logged[1].text}%", kit, ok, "vLLM's grouping of the layers by kind "
-                   "(groups as large as the smallest kind's count; the others padded)",
-                   None if ok else "the engine's layers differ from the config's: a speculative "
-                   "drafter (speculative_config) or another tower adds layers of one kind")]
-
-
-def longest_that_fits(ex: Explained, budget: int) -> int | None:
-    """The largest max_model_len (a multiple of the block size) one request of which `budget`
-    holds, vLLM's check (`check_enough_kv_cache_memory`) at each."""
-    s = ex.run.settings
-    step = int(s["block_size"])
-    lo, hi = 0, min(int(s["max_model_len"]), ex.sizer.longest) // step
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ex.sizer.size(budget, mid * step, int(s["max_num_batched_tokens"])).error:
-            hi = mid - 1
-        else:
-            lo = mid
-    return lo * step or None
-
-
-def refusal_numbers(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    n, out = ex.log.numbers, []
-    if "mamba_blocks_refusal" in n and ex.blocks:
-        seqs, blocks = (int(x.value) for x in n["mamba_blocks_refusal"])
-        ok = ex.blocks[0] <= blocks <= ex.blocks[1]
-        out.append(Number("mamba_blocks_refusal", "the Mamba state blocks", f"{blocks:,}",
-                          f"{ex.blocks[0]:,}" + ("" if ex.blocks[0] == ex.blocks[1] else
-                                                 f" to {ex.blocks[1]:,}"), ok,
-                          f"the KV cache's memory ÷ {per_block:,} B a block; every decoding "
-                          f"sequence holds one Mamba state block, so {seqs:,} sequences "
-                          "need as many", None if ok else "the log's memory buys other blocks"))
-    bounds = budget_bounds(ex.log, ex.run)
-    if "too_long_gib" in n:
-        from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
-        length, need, _ = n["too_long_gib"]
-        ex.sizer.vllm_config.model_config.max_model_len = int(length.value)
-        ours = max_memory_usage_bytes(ex.sizer.vllm_config, ex.sizer.specs.values())
-        out.append(Number("too_long_gib", f"one {int(length.value):,}-token request's KV cache",
-                          need.text, gib(ours), within(need, ours / GiB),
-                          "what each layer of one request reserves at max_model_len, summed"))
-    if "too_long_tokens" in n and bounds:
-        length, tokens = (int(x.value) for x in n["too_long_tokens"])
-        blocks = int(ex.log.value("gpu_blocks") or bounds[0] // per_block)
-        ours = blocks * int(ex.run.settings["block_size"])
-        out.append(Number("too_long_tokens", "the tokens the KV cache stores", f"{tokens:,}",
-                          f"{ours:,}", ours == tokens, "the KV cache's blocks × block size"))
-    return out
-
-
-def blocks_number(ex: Explained, per_block: int, rule: str) -> list[Number | None]:
-    got = ex.log.numbers.get("gpu_blocks")
-    if not got or not ex.blocks:
-        return []
-    lo, hi = ex.blocks
-    ok = lo <= int(got[0].value) <= hi
-    return [Number("gpu_blocks", "the KV cache's blocks", got[0].text,
-                   f"{lo:,}" if lo == hi else f"{lo:,} to {hi:,}", ok,
-                   f"the logged KV cache memory ÷ {per_block:,} B a block",
-                   None if ok else block_cost_reason(ex, per_block, got[0].value))]
-
-
-NUMBERS = (blocks_number, tokens_number, concurrency_number, memory_number, weights_number, budget_numbers,
-           cudagraph_numbers, hybrid_numbers, padding_number, refusal_numbers)
+def document(ex: Explained, target: tuple[int, int] | None = None) -> dict:
+    """Everything the log's explanation found, as plain data (`kit explain --json`)."""
+    return {"model": ex.run.model, "vllm_version": ex.log.version, "device": ex.run.device,
+            "answer": answer(ex),
+            "settings": {k: {"value": v, "from": ex.run.source.get(k)}
+                         for k, v in ex.run.settings.items()},
+            "numbers": [n.as_dict() for n in ex.numbers], "pitfalls": pitfalls(ex),
+            "groups": groups_table(ex), "budget_gib": dict(waterfall(ex)),
+            "what_if": [r.__dict__ for r in what_if(ex, target)]}

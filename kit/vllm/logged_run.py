@@ -4,6 +4,7 @@ which), then vLLM 0.32's own sizing code built for them (`VLLMSizer`, no engine 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,9 @@ from pathlib import Path
 from kit.config.data import CACHE, MODELS_DIR
 from kit.config.hub import hub_config, is_hub_id
 from kit.errors import ConfigError
+from kit.units import GiB
+from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer
+from kit.vllm.log import fail_message
 from kit.vllm.model_folder import safe_name
 from kit.vllm.startup_log import StartupLog
 
@@ -136,3 +140,98 @@ def check_matches(run: LoggedRun, log: StartupLog) -> None:
         raise ConfigError(f"the log's engine served a {logged}, and the config given for "
                           f"{run.model} is a {own}: give the config of the model the log ran "
                           "(--model NAME|config.json|Hub id)")
+
+
+def build_sizer(run: LoggedRun, records: list | None = None) -> VLLMSizer:
+    s = run.settings
+    try:
+        return VLLMSizer.build(run.folder(), block_size=int(s["block_size"]),
+                               max_model_len=int(s["max_model_len"]),
+                               kv_cache_dtype=str(s["kv_cache_dtype"]), dtype=str(s["dtype"]),
+                               tensor_parallel_size=int(s["tensor_parallel_size"]),
+                               enable_prefix_caching=s["enable_prefix_caching"],
+                               records=records)
+    except Exception as e:  # vLLM refuses the config or the settings
+        raise ConfigError(f"vLLM 0.32 cannot size {run.model} at the log's settings: "
+                          f"{fail_message(e)}") from None
+
+
+def size_at(sizer: VLLMSizer, run: LoggedRun, budget: int, records=None) -> VLLMKVSizing:
+    s = run.settings
+    return sizer.size(int(budget), int(s["max_model_len"]),
+                            int(s["max_num_batched_tokens"]), records)
+
+
+def budget_bounds(log: StartupLog, run: LoggedRun) -> tuple[int, int] | None:
+    """The KV cache's bytes as the log pins them: exact when kv_cache_memory_bytes was set,
+    else the range its rounded GiB allows."""
+    exact = run.settings.get("kv_cache_memory_bytes") or log.setting("kv_cache_memory_bytes")
+    if exact:
+        return int(exact), int(exact)
+    for key, index in (("available_kv_gib", 0), ("cpu_kv_gib", 0), ("too_long_gib", 2)):
+        got = log.numbers.get(key)
+        if got:
+            lo, hi = got[index].bounds()
+            return math.ceil(lo * GiB), math.floor(hi * GiB)
+    return None
+
+
+def pool_block_bytes(sizer: VLLMSizer, run: LoggedRun) -> int:
+    """What one block id costs in the pool every group shares (one sizing at 1 TiB)."""
+    return size_at(sizer, run, 1 << 40).bytes_per_block or 1
+
+
+# The attention backends' kernel blocks the hybrid alignment rounds to: CUDA's FlashAttention
+# and FlashInfer take multiples of 16, vLLM's CPU attention multiples of 32.
+ALIGNMENTS = {"GPU": 16, "CPU": 32}
+
+
+def hybrid_pages(specs: dict) -> tuple[int, int] | None:
+    """(a Mamba state's page unpadded, an attention layer's bytes per token), or None for a
+    model without both."""
+    from dataclasses import replace
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+    mamba = [replace(s, page_size_padded=None).page_size_bytes for s in specs.values()
+             if isinstance(s, MambaSpec)]
+    attn = [s.page_size_bytes // s.block_size for s in specs.values()
+            if isinstance(s, AttentionSpec)]
+    return (max(mamba), max(attn)) if mamba and attn else None
+
+
+def aligned_block(mamba_page: int, attn_per_token: int, align: int) -> int:
+    """vLLM's `_align_hybrid_block_size`: the smallest multiple of `align` tokens whose
+    attention page holds a Mamba state."""
+    return align * -(-mamba_page // (align * attn_per_token))
+
+
+def align_to_logged_block(sizer: VLLMSizer, block: int) -> None:
+    """Size with the attention block a GPU log states where vLLM's CPU platform rounded it to
+    its own multiple: every attention spec at `block` tokens, the Mamba pages padded to match."""
+    from dataclasses import replace
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+    pages = hybrid_pages(sizer.specs)
+    cache = sizer.vllm_config.cache_config
+    if pages is None or cache.block_size == block:
+        return
+    old, attn_page = cache.block_size, block * pages[1]
+    cache.block_size, cache.mamba_page_size_padded = block, attn_page
+    sizer.specs = {
+        name: replace(s, block_size=block) if isinstance(s, AttentionSpec) else
+        replace(s, page_size_padded=attn_page,
+                block_size=block if s.block_size == old else s.block_size)
+        if isinstance(s, MambaSpec) else s for name, s in sizer.specs.items()}
+
+
+def longest_that_fits(sizer: VLLMSizer, run: LoggedRun, budget: int) -> int | None:
+    """The largest max_model_len (a multiple of the block size) one request of which `budget`
+    holds, vLLM's check (`check_enough_kv_cache_memory`) at each."""
+    s = run.settings
+    step = int(s["block_size"])
+    lo, hi = 0, min(int(s["max_model_len"]), sizer.longest) // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sizer.size(budget, mid * step, int(s["max_num_batched_tokens"])).error:
+            hi = mid - 1
+        else:
+            lo = mid
+    return lo * step or None

@@ -2,7 +2,8 @@
 (`(EngineCore_DP0 pid=…) INFO 10-03 16:22:17 [gpu_worker.py:298]`, the kit's own capture, or
 none), in any order, other lines between. What the engine was asked (the non-default args and
 the engine's config line) and every number it logged about memory and the KV cache, as logged,
-for the v1 engine's wording from about 0.8 through 0.32. Plain text in, no vLLM imported."""
+for vLLM's wording from about 0.6 (the V0 engine) through 0.32. Plain text in, no vLLM
+imported."""
 from __future__ import annotations
 
 import ast
@@ -68,7 +69,8 @@ ENGINE_KEYS = ("model", "dtype", "max_seq_len", "tensor_parallel_size", "quantiz
                "kv_cache_dtype", "enable_prefix_caching", "enforce_eager", "device_config")
 ARCHITECTURE = re.compile(r"Resolved architecture: (\w+)")
 BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
-READS = "0.8 to 0.32"  # the v1 engine's wording the patterns above were written from
+READS = "0.6 to 0.32"  # the wording the patterns above were written from (V0 and V1)
+OLDEST = (0, 6)
 
 
 @dataclass(frozen=True)
@@ -180,9 +182,9 @@ def read_log(text: str, name: str = "the log") -> StartupLog:
         raise ConfigError(f"{name} is not a vLLM start-up log: none of its lines is one vLLM "
                           "logs at start-up (its non-default args, its engine's config, "
                           "\"Model loading took\", \"KV cache size\").")
-    if log.version and version_tuple(log.version) < (0, 8):
-        raise ConfigError(f"{name} was written by vLLM {log.version}; the kit reads the v1 "
-                          f"engine's start-up lines, vLLM {READS}.")
+    if log.version and version_tuple(log.version) < OLDEST:
+        raise ConfigError(f"{name} was written by vLLM {log.version}; the kit reads the "
+                          f"start-up lines of vLLM {READS}.")
     if not any(k in log.numbers for k in KV_LINES):
         seen = ", ".join(sorted(log.numbers)) or "only its settings"
         raise ConfigError(f"{name} ends before vLLM sized its KV cache: no \"KV cache size\", "
