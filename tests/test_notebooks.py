@@ -115,15 +115,19 @@ MAX_CELL_LINES = 12
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebooks_are_thin(path):
-    """Narrative, parameters, calls and checks: the parameters cell holds plain literals, they
-    reach the settings through `kit.notebook_settings` (never listed again, never rebound), and
-    no other code cell runs over MAX_CELL_LINES lines (the logic lives in kit/)."""
+    """Narrative, parameters, calls and checks: the parameters cell holds plain literals; where
+    they are settings they reach them through `kit.notebook_settings` (never listed again,
+    never rebound; chapter 06's are a log and its model, not settings), and no other code cell
+    runs over MAX_CELL_LINES lines (the logic lives in kit/)."""
     code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
     params, cells = code[0], code[1:]
+    names = set()
     for statement in ast.parse(params.source).body:
         assert isinstance(statement, ast.Assign), ast.unparse(statement)
         ast.literal_eval(statement.value)  # raises unless a plain literal
-    assert "settings = kit.notebook_settings(globals())" in cells[0].source
+        names |= {t.id for t in statement.targets}
+    if names & set(PARAMETERS):
+        assert "settings = kit.notebook_settings(globals())" in cells[0].source
     assert not any("kit.load(" in c.source for c in cells)
     # no later cell rebinds a parameter, so running the settings cell again reads the same
     rebound = {node.id for c in cells for node in ast.walk(ast.parse(c.source))
@@ -272,3 +276,19 @@ def test_every_recorded_number_has_its_unit(cpu_small_run):
         assert set(data["units"].values()) <= set(QUANTITIES), chapter
     for section in ("settings", "machine"):
         assert numbers_without_unit(summary[section], summary["units"], section) == []
+
+
+@pytest.mark.vllm
+def test_chapter_05s_engine_logs_explained(cpu_small_run):
+    """The start-up logs of the engines chapter 05 started, as the kit captured them, explained
+    by `kit explain`'s code: every number agrees, the tokens and concurrency among them."""
+    from kit.vllm.log_numbers import explain
+    from kit.vllm.startup_log import read_log_file
+    _, summary, folder = cpu_small_run
+    logs = sorted(folder.glob("vllm-*.log"))
+    model = json.loads((folder / "05_vllm_side_by_side.json").read_text())["settings"]["model"]
+    assert logs
+    for path in logs:
+        ex = explain(read_log_file(path), model)
+        assert {"kv_cache_tokens", "max_concurrency"} <= {n.key for n in ex.numbers}, path
+        assert all(n.agrees for n in ex.numbers if n.agrees is not None), path

@@ -98,7 +98,8 @@ def windows_pitfall(ex: Explained) -> str | None:
 
 
 def block_pitfall(ex: Explained) -> str | None:
-    logged = ex.log.value("attention_block_size")
+    logged = ex.log.value("attention_block_size") or (
+        hybrid_pages(ex.sizer.specs) and ex.sizer.vllm_config.cache_config.block_size)
     if not logged:
         return None
     return (f"The attention block was enlarged to {int(logged):,} tokens so that one page holds a "
@@ -211,7 +212,24 @@ def changes(ex: Explained, budget: int) -> list[tuple[str, dict, int, str]]:
     if hybrid_pages(ex.sizer.specs) and s["enable_prefix_caching"] is not False:
         out.append(("enable_prefix_caching=False (mamba_cache_mode none)",
                     {"enable_prefix_caching": False}, budget, "one state per request"))
-    return out
+    elif not hybrid_pages(ex.sizer.specs):
+        block = 32 if int(s["block_size"]) == 16 else 16
+        out.append((f"block_size={block}", {"block_size": block}, budget,
+                    "a request's last block is only partly used"))
+    return out + tp_change(ex, budget)
+
+
+def tp_change(ex: Explained, budget: int) -> list[tuple[str, dict, int, str]]:
+    """Twice the tensor-parallel ranks: each rank's weights halve, and what they free goes to
+    its cache (activations and the rest taken as unchanged); KV heads split where there are
+    enough."""
+    tp = int(ex.run.settings["tensor_parallel_size"])
+    weights = ex.log.value("weights_gib")
+    if not weights:
+        return []
+    freed = int(weights * GiB / 2)
+    return [(f"tensor_parallel_size={2 * tp}", {"tensor_parallel_size": 2 * tp}, budget + freed,
+             f"per rank: +{freed / GiB:.2f} GiB of weights freed; needs {2 * tp} devices")]
 
 
 def what_if(ex: Explained, target: tuple[int, int] | None = None) -> list[WhatIf]:
