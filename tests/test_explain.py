@@ -184,3 +184,18 @@ def test_json_document(tmp_path):
         "max_concurrency": ("32.00", "32.00", True),
         "cpu_kv_gib": ("0.06", "0.06 GiB", True)}
     assert doc["settings"]["block_size"] == {"value": 32, "from": "the log"}
+
+
+@pytest.mark.vllm
+def test_a_refusal_leads_the_answer():
+    """A log that ends in vLLM's refusal (KAITO#2319: a Qwen3.6-27B, its config the kit's
+    Qwen3.5-27B shape) is answered with the cause and the fix; the memory the state blocks
+    imply is said, not judged; max_model_len, which the log does not state, is the model's own."""
+    from kit.studies import your_vllm
+    ex = your_vllm.explain_log(LOGS / "qwen36-27b-h100-mamba-blocks-kaito.log", "qwen3.5-27b",
+                               {"max_num_seqs": 1024})
+    assert "Lower max_num_seqs to 614 or fewer" in your_vllm.answer(ex)
+    [states] = ex.numbers
+    assert states.agrees is None and "the KV cache memory the log implies" in states.how
+    assert ex.run.source["max_model_len"].startswith("vLLM's default")
+    assert ex.sizing.num_blocks == 614

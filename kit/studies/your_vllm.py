@@ -263,15 +263,22 @@ def what_if(ex: Explained, target: tuple[int, int] | None = None) -> list[WhatIf
 
 
 def answer(ex: Explained) -> str:
-    """The log in one sentence: what its KV cache holds, and whether the kit agrees."""
+    """The log in one sentence: a refusal's cause and fix where the log ends in one, else what
+    its KV cache holds and whether the kit agrees."""
+    refusal = states_pitfall(ex) if "mamba_blocks_refusal" in ex.log.numbers else \
+        too_long_pitfall(ex)
     numbers = [n for n in ex.numbers if n.agrees is not None]
     off = [n for n in numbers if not n.agrees]
+    verdict = ("nothing it states could be computed again" if not numbers else
+               f"all {len(numbers)} numbers the kit computes agree with the log" if not off
+               else f"{len(off)} of {len(numbers)} numbers differ "
+                    f"({', '.join(n.key for n in off)})")
+    if refusal:
+        return f"{ex.run.model}: {refusal.rstrip('.')} ({verdict})."
     s = ex.sizing
     head = (f"{ex.run.model}: {s.num_blocks:,} blocks, {s.max_concurrency:.2f} requests of "
             f"{int(ex.run.settings['max_model_len']):,} tokens at once"
             if s and s.max_concurrency else f"{ex.run.model}: the KV cache could not be pinned")
-    verdict = (f"all {len(numbers)} numbers the kit can compute agree with the log" if not off
-               else f"{len(off)} of {len(numbers)} numbers differ ({', '.join(n.key for n in off)})")
     return f"{head}; {verdict}."
 
 

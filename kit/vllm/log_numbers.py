@@ -130,6 +130,9 @@ def explain(log: StartupLog, model: str | None = None, given: dict | None = None
         sizing = size_at(sizer, run, int(log.value("gpu_blocks")) * per_block)
     elif tokens is not None:
         sizing = match_tokens(sizer, run, per_block, int(tokens), rule, blocks)
+    states = log.value("mamba_blocks_refusal", 1)
+    if sizing is None and states:  # the state blocks a refusal names
+        sizing = size_at(sizer, run, int(states) * per_block)
     if sizing is None and bounds:
         sizing = size_at(sizer, run, bounds[0], records)
     ex = Explained(log, run, sizer, sizing, blocks,
@@ -367,17 +370,25 @@ def padding_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced 
                    "drafter (speculative_config) or another tower adds layers of one kind")]
 
 
+def states_number(ex: Explained, per_block: int) -> Reproduced:
+    """The Mamba state blocks of a max_num_seqs refusal: against the log's memory where it
+    states one, else the memory they imply."""
+    seqs, blocks = (int(x.value) for x in ex.log.numbers["mamba_blocks_refusal"])
+    how = (f"every decoding sequence holds one Mamba state block, so {seqs:,} sequences need "
+           f"as many; {blocks:,} blocks × {per_block:,} B a block = {gib(blocks * per_block)}")
+    if not ex.blocks:
+        return Reproduced("mamba_blocks_refusal", "the Mamba state blocks", f"{blocks:,}", None,
+                          None, how + ": the KV cache memory the log implies")
+    ok = ex.blocks[0] <= blocks <= ex.blocks[1]
+    kit = f"{ex.blocks[0]:,}" + ("" if ex.blocks[0] == ex.blocks[1] else f" to {ex.blocks[1]:,}")
+    return Reproduced("mamba_blocks_refusal", "the Mamba state blocks", f"{blocks:,}", kit, ok,
+                      how, None if ok else "the log's memory buys other blocks")
+
+
 def refusal_numbers(ex: Explained, per_block: int, rule: str) -> list[Reproduced | None]:
     n, out = ex.log.numbers, []
-    if "mamba_blocks_refusal" in n and ex.blocks:
-        seqs, blocks = (int(x.value) for x in n["mamba_blocks_refusal"])
-        ok = ex.blocks[0] <= blocks <= ex.blocks[1]
-        out.append(Reproduced("mamba_blocks_refusal", "the Mamba state blocks", f"{blocks:,}",
-                          f"{ex.blocks[0]:,}" + ("" if ex.blocks[0] == ex.blocks[1] else
-                                                 f" to {ex.blocks[1]:,}"), ok,
-                          f"the KV cache's memory ÷ {per_block:,} B a block; every decoding "
-                          f"sequence holds one Mamba state block, so {seqs:,} sequences "
-                          "need as many", None if ok else "the log's memory buys other blocks"))
+    if "mamba_blocks_refusal" in n:
+        out.append(states_number(ex, per_block))
     bounds = budget_bounds(ex.log, ex.run)
     if "too_long_gib" in n:
         from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes

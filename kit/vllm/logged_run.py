@@ -90,9 +90,9 @@ def local_name(model: str) -> str | None:
     return None
 
 
-def logged_settings(log: StartupLog, given: dict) -> tuple[dict, dict]:
-    """Each setting in `SETTINGS`: given, else the log's, else vLLM's default; and where each
-    came from."""
+def logged_settings(log: StartupLog, given: dict, config: dict) -> tuple[dict, dict]:
+    """Each setting in `SETTINGS`: given, else the log's, else vLLM's default (max_model_len:
+    the model's own length, as vLLM derives it from `config`); and where each came from."""
     settings, source = {}, {}
     for name in SETTINGS:
         logged = log.setting(name)
@@ -109,11 +109,22 @@ def logged_settings(log: StartupLog, given: dict) -> tuple[dict, dict]:
                 DEFAULTS.get(name)
             settings[name], source[name] = default, "vLLM's default"
     if settings["max_model_len"] is None:
-        raise ConfigError("the log states no max_model_len (no non-default args line and no "
-                          "engine config line): give it with --set max_model_len=N")
+        settings["max_model_len"] = model_length(config)
+        source["max_model_len"] = "vLLM's default (the model's max_position_embeddings)"
     if settings["kv_cache_dtype"] in ("auto", None) and source["kv_cache_dtype"] != "given":
         settings["kv_cache_dtype"] = "auto"
     return settings, source
+
+
+def model_length(config: dict) -> int:
+    """The length vLLM takes when max_model_len is not given: the config's
+    max_position_embeddings (a multimodal wrapper's text_config's)."""
+    length = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings")
+    if not length:
+        raise ConfigError("the log states no max_model_len and the config no "
+                          "max_position_embeddings: give it with --set max_model_len=N")
+    return int(length)
 
 
 def logged_run(log: StartupLog, model: str | None = None, given: dict | None = None,
@@ -125,7 +136,7 @@ def logged_run(log: StartupLog, model: str | None = None, given: dict | None = N
         raise ConfigError("the log names no model (no non-default args or engine config "
                           "line): give it with --model NAME|config.json|Hub id")
     name, config = model_config(str(name))
-    settings, source = logged_settings(log, given)
+    settings, source = logged_settings(log, given, config)
     run = LoggedRun(name, config, settings, source, log.device or "GPU")
     check_matches(run, log)
     return run
