@@ -173,3 +173,61 @@ def test_scout_in_the_weights_split_and_the_calculator():
                  kv_cache_dtype="auto", max_model_len=1024)
     assert [compute.start_capacity({**knobs, "tensor_parallel_size": tp})
             for tp in (1, 2, 4)] == [None, 141 * 2**30, 80 * 2**30]
+
+
+def vllm_admitted(folder, length: int, batched: int, block: int, budget: int) -> tuple:
+    """(num_blocks, requests admitted) by vLLM's own `KVCacheManager` for `folder`'s model:
+    requests of `length` tokens one after another, each admitted as the scheduler admits a
+    waiting request (`full_sequence_must_fit`) and prefilled in steps of `batched` tokens."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
+                                             get_kv_cache_configs)
+    from vllm.v1.request import Request
+    from kit.vllm.kv_sizing import VLLMSizer, resolve_layout
+    from kit.vllm.log import captured_vllm_log
+    sizer = VLLMSizer.build(folder, block_size=block, max_model_len=length, dtype="float32")
+    vc = sizer.vllm_config
+    vc.scheduler_config.max_num_batched_tokens = batched
+    with captured_vllm_log([]):
+        resolve_layout(vc, sizer.specs)
+        sched = generate_scheduler_kv_cache_config(get_kv_cache_configs(vc, [sizer.specs],
+                                                                        [budget]))
+    manager = KVCacheManager(sched, max_model_len=length, scheduler_block_size=block,
+                             hash_block_size=block, max_in_flight_tokens=vc.max_in_flight_tokens,
+                             enable_caching=False)
+    admitted = 0
+    while True:
+        request = Request(str(admitted), prompt_token_ids=list(range(length)),
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None)
+        for start in range(0, length, batched):
+            if manager.allocate_slots(request, min(batched, length - start),
+                                      full_sequence_must_fit=start == 0) is None:
+                return sched.num_blocks, admitted
+            request.num_computed_tokens = min(start + batched, length)
+        admitted += 1
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm_published")
+@pytest.mark.parametrize("chunk,block,length,batched,budget", [
+    (128, 32, 1024, 64, 64 << 20), (128, 32, 1024, 2048, 64 << 20),
+    (128, 16, 2048, 100, 32 << 20), (32, 32, 1024, 64, 16 << 20)])
+def test_the_block_manager_admits_what_vllms_admits(tmp_path, chunk, block, length, batched,
+                                                     budget):
+    """Chunks above the block (Llama-4-Scout: 8,192 above 16): vLLM's own KVCacheManager,
+    admitting each request as its scheduler does and prefilling it in steps, against the kit's
+    block manager on the kit's sizing of the same config: the same blocks, the same requests,
+    and at least the ⌊max concurrency⌋ vLLM's start-up line promises (one fewer where the
+    blocks divide evenly: the line counts the null block)."""
+    from kit.studies.kv_cache_sizing import requests_that_fit
+    hf = {**json.loads((kit.config.MODELS_DIR / "tiny-llama4.json").read_text()),
+          "attention_chunk_size": chunk}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    blocks, admitted = vllm_admitted(tmp_path, length, batched, block, budget)
+    layout = KVCacheLayout.for_model(ModelConfig.load(str(tmp_path / "config.json")), block,
+                                     "float32")
+    config = kv_cache_config(layout, budget, length, in_flight_tokens=batched)
+    assert config.num_blocks == blocks
+    null_short = config.num_blocks % config.blocks_per_request == 0  # the line counts block 0
+    assert requests_that_fit(config) == admitted >= int(config.max_concurrency) - null_short

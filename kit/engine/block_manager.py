@@ -114,6 +114,15 @@ class GroupedBlockTables:
             freed_per_group.append(tuple(freed))
         return tuple(freed_per_group)
 
+    def admits(self, num_tokens: int, max_model_len: int, in_flight_tokens: int) -> bool:
+        """Whether a new request of `num_tokens` tokens is admitted: the blocks it needs, a
+        window's or chunk's no more than a request reserves, are free
+        (`KVCacheManager.allocate_slots` with `full_sequence_must_fit`, as the scheduler calls
+        it for a waiting request)."""
+        need = sum(g.spec.admission_blocks(num_tokens, max_model_len, in_flight_tokens)
+                   for g in self.groups)
+        return need <= self.num_free_blocks
+
     def blocks_to_allocate(self, seq_id: int, num_new_tokens: int) -> int:
         """New blocks the next `num_new_tokens` tokens need across groups
         (`get_num_blocks_to_allocate` for a running request)."""

@@ -25,6 +25,7 @@ class KVCacheSpec:
     """One layer's cache, paged in blocks of `block_size` tokens (vLLM's `KVCacheSpec`)."""
 
     block_size: int
+    recycles = False  # hands blocks back before its sequence ends (a window, a chunk)
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,6 +52,17 @@ class KVCacheSpec:
         """Blocks a sequence of `num_tokens` tokens holds in this layer's group (before any
         go back)."""
         return math.ceil(num_tokens / self.block_size)
+
+    def admission_blocks(self, num_tokens: int, max_model_len: int,
+                         in_flight_tokens: int) -> int:
+        """Blocks a new request of `num_tokens` must find free in this layer's group to be
+        admitted (`get_num_blocks_to_allocate` with `apply_admission_cap`): its blocks, and
+        for a layer that hands blocks back as it goes (`recycles`) no more than a request
+        reserves (`max_admission_blocks_per_request`, the start-up sizing's own count)."""
+        blocks = self.blocks_for_tokens(num_tokens)
+        if self.recycles:
+            return min(blocks, self.blocks_per_request(max_model_len, in_flight_tokens))
+        return blocks
 
     def tokens_read(self, context_len: int) -> int:
         """Tokens a decode step attends to, of a context of `context_len` (its new one in)."""
@@ -106,6 +118,8 @@ class SlidingWindowSpec(AttentionSpec):
     (`SlidingWindowSpec.max_memory_usage_bytes`); `in_flight_tokens` is
     max_num_batched_tokens per step in flight (`kit.engine.kv_cache.in_flight_tokens`)."""
 
+    recycles = True
+
     sliding_window: int
 
     def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
@@ -134,6 +148,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     attention_chunk_size: int
     sliding_window = None
+    recycles = True
 
     def max_memory_usage_bytes(self, max_model_len: int, in_flight_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + in_flight_tokens, max_model_len)

@@ -37,17 +37,21 @@ def hand_out_blocks(config: KVCacheConfig, settings: Settings) -> GroupedBlockTa
 
 
 def requests_that_fit(config: KVCacheConfig) -> int:
-    """How many requests of `max_model_len` tokens the block manager hands blocks to before it
-    runs out: the concurrency vLLM's start-up line states, counted instead of divided (for
-    layers that all attend fully; a window's reservation is chapter 02's groups section)."""
+    """How many requests of `max_model_len` tokens the block manager admits, one after another,
+    each prefilled in steps of the tokens in flight as vLLM's scheduler chunks a prefill (a
+    window or chunk hands blocks back between steps): the concurrency vLLM's start-up line
+    states, counted instead of divided. Full attention admits ⌊max concurrency⌋ (one fewer
+    where the null block is the one missing); a window or chunk at least that many, as vLLM's
+    own `KVCacheManager` does (a request holds less than it reserves once its prefill ends)."""
     tables = GroupedBlockTables(config.num_blocks, config.layout.groups)
+    length, in_flight = config.max_model_len, config.in_flight_tokens
+    step = in_flight or length
     held = 0
-    try:
-        while True:
-            tables.allocate_slots(held, config.max_model_len)
-            held += 1
-    except OutOfBlocks:
-        return held
+    while tables.admits(length, length, in_flight):
+        for start in range(0, length, step):
+            tables.allocate_slots(held, min(step, length - start))
+        held += 1
+    return held
 
 
 def block_manager_config(config: KVCacheConfig, settings: Settings) -> KVCacheConfig:
