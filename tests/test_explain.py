@@ -42,7 +42,8 @@ PUBLIC = {
     "deepseek-v3-0324-awq-tp16-v0": ({"available_kv_gib", "requested_gib",
                                       "kv_budget_arithmetic"}, {}),
     "gpt-oss-20b-a100-v0190": ({"available_kv_gib"}, {"weights_gib": "quantized"}),
-    "qwen35-27b-h20-dummy": ({"kv_cache_tokens"}, {"max_concurrency": "before about 0.20"}),
+    "qwen35-27b-h20-dummy": ({"kv_cache_tokens", "max_concurrency"}, {}),
+    "gpt-oss-120b-h100-negative-kv": (set(), {"weights_gib": "quantized"}),
     "qwen36-35b-a3b-fp8-dflash-a800": ({"available_kv_gib"}, {"padding_layers": "drafter"}),
     "deepseek-v3-mi308x": (set(), {"kv_cache_tokens": "no KV cache memory"}),
 }
@@ -199,3 +200,15 @@ def test_a_refusal_leads_the_answer():
     assert states.agrees is None and "the KV cache memory the log implies" in states.how
     assert ex.run.source["max_model_len"].startswith("vLLM's default")
     assert ex.sizing.num_blocks == 614
+
+
+@pytest.mark.vllm
+def test_a_hybrids_prefix_caching_read_off_its_numbers(tmp_path):
+    """vLLM #40691 (Qwen3.5-27B, vLLM 0.19): its log does not say whether prefix caching was
+    on; only with it off (one Mamba state a request) do its tokens and concurrency both agree,
+    at one block count of the four its tokens allow, and the kit says so."""
+    from kit.vllm.log_numbers import explain
+    ex = explain(*public_case("qwen35-27b-h20-dummy", tmp_path))
+    assert ex.run.settings["enable_prefix_caching"] is False
+    assert ex.run.source["enable_prefix_caching"].startswith("off: only so")
+    assert ex.sizing.num_blocks == 1487 and f"{ex.sizing.max_concurrency:.2f}" == "33.04"

@@ -78,10 +78,11 @@ def logged_tokens(sizing: VLLMKVSizing, rule: str) -> int | None:
 
 
 def match_tokens(sizer, run, per_block: int, tokens: int, rule: str,
-                 blocks: tuple[int, int] | None) -> VLLMKVSizing | None:
+                 blocks: tuple[int, int] | None, concurrency=None) -> VLLMKVSizing | None:
     """The sizing whose logged tokens equal `tokens` (within `blocks` when the log's memory
-    pins them): every block count in a narrow range, else those near the count the tokens
-    imply."""
+    pins them), of those the one whose concurrency rounds to the log's (`concurrency`, a
+    `Logged`) where there is one: every block count in a narrow range, else those near the
+    count the tokens imply."""
     if blocks and blocks[1] - blocks[0] <= 256:
         candidates = range(blocks[0], blocks[1] + 1)
     else:
@@ -89,11 +90,10 @@ def match_tokens(sizer, run, per_block: int, tokens: int, rule: str,
         rate = (logged_tokens(one, rule) or 0) / 1024
         guess = int(tokens / rate) if rate else 1
         candidates = sorted(range(max(1, guess - 16), guess + 17), key=lambda n: abs(n - guess))
-    for n in candidates:
-        sizing = size_at(sizer, run, n * per_block)
-        if logged_tokens(sizing, rule) == tokens:
-            return sizing
-    return None
+    found = [s for s in (size_at(sizer, run, n * per_block) for n in candidates)
+             if logged_tokens(s, rule) == tokens]
+    return next((s for s in found if concurrency is not None and s.max_concurrency is not None
+                 and within(concurrency, s.max_concurrency)), found[0] if found else None)
 
 
 def gib(n_bytes: float) -> str:
@@ -107,10 +107,30 @@ def within(logged, value: float) -> bool:
 
 
 def explain(log: StartupLog, model: str | None = None, given: dict | None = None) -> Explained:
-    """Every number `log` states, computed again for its model and settings (`logged_run`)."""
+    """Every number `log` states, computed again for its model and settings (`logged_run`).
+    A hybrid whose log does not say whether prefix caching was on is explained both ways
+    (vLLM's default "align" keeps two or three Mamba states a request, and older versions ran
+    hybrids with it off, one state): the way more numbers agree, said in the settings."""
     if given and given.get("vllm_version") and not log.version:
         log.version = str(given["vllm_version"])
-    run = logged_run(log, model, given)
+    ex = explained_run(log, logged_run(log, model, given))
+    if hybrid_pages(ex.sizer.specs) and ex.run.source["enable_prefix_caching"] == \
+            "vLLM's default" and any(n.agrees is False for n in ex.numbers):
+        off = explained_run(log, logged_run(log, model, {**(given or {}),
+                                                         "enable_prefix_caching": False}))
+        if agreeing(off) > agreeing(ex):
+            off.run.source["enable_prefix_caching"] = ("off: only so do the log's numbers "
+                                                       "agree (older vLLM ran hybrids so)")
+            return off
+    return ex
+
+
+def agreeing(ex: Explained) -> int:
+    return sum(bool(n.agrees) for n in ex.numbers)
+
+
+def explained_run(log: StartupLog, run: LoggedRun) -> Explained:
+    """`explain` for one reading of the log's settings (`run`)."""
     records: list = []
     sizer = build_sizer(run, records)
     pages = hybrid_pages(sizer.specs)
@@ -124,22 +144,28 @@ def explain(log: StartupLog, model: str | None = None, given: dict | None = None
     if bounds:  # vLLM's `get_num_blocks`: the memory over what a block costs in every layer
         blocks = (bounds[0] // per_block, bounds[1] // per_block)
     rule = tokens_rule(log)
-    tokens = log.value("kv_cache_tokens")
-    sizing = None
-    if log.value("gpu_blocks"):  # vLLM's V0 engine logs the blocks themselves
-        sizing = size_at(sizer, run, int(log.value("gpu_blocks")) * per_block)
-    elif tokens is not None:
-        sizing = match_tokens(sizer, run, per_block, int(tokens), rule, blocks)
-    states = log.value("mamba_blocks_refusal", 1)
-    if sizing is None and states:  # the state blocks a refusal names
-        sizing = size_at(sizer, run, int(states) * per_block)
-    if sizing is None and bounds:
-        sizing = size_at(sizer, run, bounds[0], records)
-    ex = Explained(log, run, sizer, sizing, blocks,
-                   build_lines=[r.getMessage() for r in records])
+    ex = Explained(log, run, sizer, pinned_sizing(log, sizer, run, per_block, rule, blocks),
+                   blocks, build_lines=[r.getMessage() for r in records])
     for make in NUMBERS:
         ex.numbers.extend(n for n in make(ex, per_block, rule) if n is not None)
     return ex
+
+
+def pinned_sizing(log, sizer, run, per_block, rule, blocks) -> VLLMKVSizing | None:
+    """The sizing at the blocks the log pins: V0's blocks line, the block count whose tokens
+    (and concurrency) are the log's, a refusal's state blocks, or the least its memory buys."""
+    tokens, states = log.value("kv_cache_tokens"), log.value("mamba_blocks_refusal", 1)
+    if log.value("gpu_blocks"):  # vLLM's V0 engine logs the blocks themselves
+        return size_at(sizer, run, int(log.value("gpu_blocks")) * per_block)
+    if tokens is not None:
+        conc = log.numbers.get("max_concurrency")
+        sizing = match_tokens(sizer, run, per_block, int(tokens), rule, blocks,
+                              conc[1] if conc else None)
+        if sizing is not None:
+            return sizing
+    if states:  # the state blocks a refusal names
+        return size_at(sizer, run, int(states) * per_block)
+    return size_at(sizer, run, blocks[0] * per_block) if blocks else None
 
 
 def cost_ratio_reason(ex: Explained, per_block: int, tokens: int, rule: str) -> str:
