@@ -38,7 +38,7 @@ def invariants(t: GroupedBlockTables):
     for seq, tables in t.tables.items():
         computed = t.num_computed_tokens[seq]
         for group, table in zip(t.groups, tables):
-            assert len(table) == -(-computed // t.block_size)
+            assert len(table) == -(-computed // group.spec.block_size)
             nulls = table.count(NULL_BLOCK)
             assert table[:nulls] == [NULL_BLOCK] * nulls  # only a prefix is handed back
             if group.window is None:
@@ -113,10 +113,23 @@ def test_out_of_blocks_says_how_many_are_missing_and_takes_nothing():
     assert t.num_free_blocks == 4 and 0 not in t.tables
 
 
-def test_groups_must_share_one_block_size():
-    specs = attention_specs((None, 4), 16, 1, 8, 2)[:1] + attention_specs((4,), 32, 1, 8, 2)
-    with pytest.raises(ValueError, match="blocks differ in size"):
-        GroupedBlockTables(10, kv_cache_groups(specs))
+def test_groups_of_different_block_sizes_share_one_pool():
+    """Gemma 4 with wider global layers: vLLM gives the layers of smaller pages more tokens per
+    block (a window group of 32-token blocks beside a full group of 16, one page size). Each
+    group's table holds its own ⌈n ÷ its block⌉ blocks from the one pool, hands back its own
+    skipped blocks, and finds a position in its own blocks."""
+    from kit.engine.kv_specs import FullAttentionSpec, SlidingWindowSpec
+    specs = [SlidingWindowSpec(32, 1, 8, 2, sliding_window=40), FullAttentionSpec(16, 2, 8, 2)]
+    assert specs[0].page_size_bytes == specs[1].page_size_bytes
+    t = GroupedBlockTables(40, kv_cache_groups(specs))
+    step = t.allocate_slots(0, 70)
+    assert [len(blocks) for blocks in step.new] == [3, 5]  # ⌈70/32⌉ and ⌈70/16⌉
+    window, full = t.tables[0]
+    assert t.slot(0, 69, 0) == window[2] * 32 + 5 and t.slot(0, 69, 1) == full[4] * 16 + 5
+    first = window[0]
+    assert t.allocate_slots(0, 10).freed == ((), ())  # 70 computed: 31 skipped, no whole block
+    assert t.allocate_slots(0, 1).freed == ((first,), ())  # 80: 41 skipped, block 0 goes
+    invariants(t)
 
 
 def test_chapter_steps_show_the_window_handing_back_blocks():

@@ -146,3 +146,29 @@ def test_vision_only_bidirectional_attention_leaves_the_text_decoder_causal():
     hf = json.loads((MODELS_DIR / "tiny-gemma4.json").read_text())
     arch = ModelConfig.from_dict({**hf, "use_bidirectional_attention": "vision"}, "g4")
     assert arch == ModelConfig.from_dict(hf, "g4")
+
+
+def test_wider_global_layers_get_their_cache_and_tables_but_no_decode(tmp_path):
+    """Global layers with twice the sliding ones' bytes a token (two global KV heads of 128
+    against two of 64): vLLM gives the sliding groups twice the tokens per block, one page
+    size. The cache is allocated (one page a block id in every group), each group's table
+    holds its own ⌈n ÷ its block⌉ blocks; the kit's paged decode refuses, saying why."""
+    from kit.engine.block_manager import GroupedBlockTables
+    from kit.engine.decode import PagedBatch
+    from kit.engine.kv_cache import allocate
+    hf = {**json.loads((MODELS_DIR / "tiny-gemma4.json").read_text()),
+          "num_global_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    layout = KVCacheLayout.for_model(ModelConfig.load(str(tmp_path / "config.json")), 16,
+                                     "float32")
+    assert sorted({g.spec.block_size for g in layout.groups}) == [16, 32]
+    assert len({g.spec.page_size_bytes for g in layout.groups}) == 1
+    config = kv_cache_config(layout, 1 << 22, 256, in_flight_tokens=64)
+    cache = allocate(layout, config.num_blocks, "cpu")
+    assert cache.numel() * cache.element_size() == config.cache_bytes
+    tables = GroupedBlockTables(config.num_blocks, layout.groups)
+    tables.allocate_slots(0, 100)
+    assert [len(t) for t in tables.tables[0]] == [
+        -(-100 // g.spec.block_size) for g in layout.groups]
+    with pytest.raises(ConfigError, match="paged decode runs one block size"):
+        PagedBatch(layout, cache, [100], width=8)

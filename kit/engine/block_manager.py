@@ -78,10 +78,10 @@ class GroupedBlockTables:
     def __init__(self, num_blocks: int, groups: tuple[KVCacheGroup, ...]):
         if num_blocks < 2 or not groups:
             raise ValueError("need num_blocks >= 2 (one is the null block) and at least one group")
-        sizes = {g.spec.block_size for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"the groups' blocks differ in size ({sorted(sizes)})")
-        self.num_blocks, self.block_size, self.groups = num_blocks, sizes.pop(), tuple(groups)
+        # tokens per block: each group's own where they differ (vLLM gives layers of smaller
+        # pages more tokens per block, so every block id is one page in every group)
+        self.num_blocks, self.groups = num_blocks, tuple(groups)
+        self.block_size = min(g.spec.block_size for g in groups)
         self.pool = FreeBlockQueue(num_blocks)
         self.tables: dict[int, tuple[list[int], ...]] = {}
         self.num_computed_tokens: dict[int, int] = {}
@@ -103,7 +103,8 @@ class GroupedBlockTables:
         computed = self.num_computed_tokens[seq_id]
         freed_per_group = []
         for group, table in zip(self.groups, self.tables[seq_id]):
-            skipped = min(group.spec.num_skipped_tokens(computed) // self.block_size, len(table))
+            skipped = min(group.spec.num_skipped_tokens(computed) // group.spec.block_size,
+                          len(table))
             freed = []
             for i in range(skipped - 1, -1, -1):
                 if table[i] == NULL_BLOCK:
@@ -166,10 +167,10 @@ class GroupedBlockTables:
         """Flat slot index (block id × block_size + offset) of token `position` for the layers
         of group `group`; a position handed back (null block) is refused. A recurrent group's
         one block holds the sequence's state: every position maps into it."""
-        table = self.tables[seq_id][group]
+        table, size = self.tables[seq_id][group], self.groups[group].spec.block_size
         block = table[0] if self.groups[group].spec.blocks_for_tokens(position + 1) == 1 \
-            else table[position // self.block_size]
+            else table[position // size]
         if block == NULL_BLOCK:
             raise ValueError(f"position {position} of sequence {seq_id} left group {group}'s "
                              "window: its block was handed back")
-        return block * self.block_size + position % self.block_size
+        return block * size + position % size

@@ -146,6 +146,8 @@ class PagedBatch:
 
     def __init__(self, layout: KVCacheLayout, kv_cache: torch.Tensor, lengths: list[int],
                  width: int, max_context_len: int | None = None):
+        if layout.decode_refusal():
+            raise ConfigError(layout.decode_refusal())
         shape = layout.tensor_shape(cache_blocks(kv_cache)[0])
         if tuple(kv_cache.shape) != shape:
             raise ValueError(f"a cache of shape {tuple(kv_cache.shape)} is not the layout's "

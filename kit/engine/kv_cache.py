@@ -237,6 +237,18 @@ class KVCacheLayout:
         """Whether some layers keep a recurrent state per request (a hybrid)."""
         return any(isinstance(g.spec, MambaSpec) for g in self.groups)
 
+    def decode_refusal(self) -> str | None:
+        """Why the kit's paged decode cannot run this cache, or None: it runs one block size
+        with the same bytes per token in every layer, where vLLM gives layers of smaller pages
+        more tokens per block (Gemma 4 with wider global layers)."""
+        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.attention_groups}) < 2:
+            return None
+        return ("the kit's paged decode runs one block size with the same bytes per token in "
+                f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "
+                "makes their pages one size by giving layers of smaller pages more tokens per "
+                "block). Sizing, the cache and its block tables are exact; to decode, choose "
+                "heads whose keys and values take the same bytes on every layer")
+
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
         num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j (a hybrid's is a view of
@@ -244,19 +256,13 @@ class KVCacheLayout:
         one latent per token and no K/V pair: [group size, num_blocks, block_size,
         kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Layers
         whose heads differ (Gemma 4's full layers) read and write the same bytes per token in
-        their own shape; groups of different block sizes are not run by the kit's decode."""
+        their own shape; where their blocks differ too (`decode_refusal`), the shape is the
+        first group's: each block is one page in every group."""
         attention = self.attention_groups
         spec = attention[0].spec
-        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in attention}) > 1:
-            raise ConfigError(
-                "the kit's paged decode runs one block size with the same bytes per token in "
-                f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "
-                "makes their pages one size by giving layers of smaller pages more tokens per "
-                "block). Sizing is exact; to decode, choose heads whose keys and values take "
-                "the same bytes on every layer")
         if self.latent:
-            return (self.group_size, num_blocks, self.block_size, spec.head_size)
-        return (self.group_size, 2, num_blocks, self.block_size, spec.num_kv_heads,
+            return (self.group_size, num_blocks, spec.block_size, spec.head_size)
+        return (self.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                 spec.head_size)
 
 

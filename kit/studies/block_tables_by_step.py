@@ -94,7 +94,11 @@ def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = Non
 def windowed_example(arch: ModelConfig, window: int = 20) -> ModelConfig:
     """`arch` with every second layer sliding over `window` tokens, the chapter's example of
     groups handing back blocks; a model whose layers are not all attention (latent attention,
-    a hybrid's recurrent layers: `Parts.sized_only`) takes no window pattern, so the default
-    preset's model (`tiny`) stands in for it."""
-    return with_layer_pattern(ModelConfig.load("tiny") if arch.parts.sized_only else arch, 2,
-                              window)
+    a hybrid's recurrent layers: `Parts.sized_only`), or whose layers' blocks would differ in
+    tokens (Gemma 4's wider global layers: `KVCacheLayout.decode_refusal`), takes no window
+    pattern, so the default preset's model (`tiny`) stands in for it."""
+    if not arch.parts.sized_only:
+        example = with_layer_pattern(arch, 2, window)
+        if not KVCacheLayout.for_model(example, 8, "bfloat16").decode_refusal():
+            return example
+    return with_layer_pattern(ModelConfig.load("tiny"), 2, window)
