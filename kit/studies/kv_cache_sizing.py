@@ -256,16 +256,6 @@ class Calculator:
         return None
 
 
-def calculate_for_settings(settings: Settings, capacity: int,
-                           measured_activation_bytes: int) -> Calculation:
-    """The calculator at the settings' own knobs (what the chapter's static figure shows)."""
-    return calculate(settings, measured_activation_bytes, capacity_bytes=capacity,
-                     gpu_memory_utilization=settings.gpu_memory_utilization,
-                     block_size=settings.block_size, kv_cache_dtype=settings.kv_cache_dtype,
-                     max_model_len=settings.max_model_len,
-                     tensor_parallel_size=settings.tensor_parallel_size)
-
-
 @dataclass
 class PRArithmetic:
     """The PR's Gemma-2B blocks in bytes, beside this run's eager and compiled profiles."""
