@@ -125,3 +125,48 @@ def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
     if not events:
         return None
     return sum(e.cpu_time_total for e in events) / 1e6 / calls
+
+
+# --- whether a median can be trusted -----------------------------------------------------------
+
+NOISY_SPREAD = 0.5  # p10 to p90 wider than half the median: the median can be off by as much
+OTHER_WORK = 1.0    # a whole core's worth of other work beside the run's own threads
+RERUN = "close other work and run the cell again"
+
+
+def spread_warning(seconds: list[float]) -> str | None:
+    """Why the median of `seconds` is not to be trusted from its own spread (p10 to p90 wider
+    than NOISY_SPREAD × the median), or None."""
+    t = Timings(list(seconds))
+    median, p10, p90 = t.median, t.quantile(0.1), t.quantile(0.9)
+    if median <= 0 or (p90 - p10) <= NOISY_SPREAD * median:
+        return None
+    return f"p10–p90 {p10 * 1e3:,.2f}–{p90 * 1e3:,.2f} ms around a {median * 1e3:,.2f} ms median"
+
+
+def load_warning(load_average: dict, threads: int) -> str | None:
+    """Why the machine was too busy to trust a timing, or None: the 1-minute load average at
+    the run's start or end (`load_average`: "before", "after", each os.getloadavg()) more than
+    OTHER_WORK above the run's own `threads`."""
+    load = max((v[0] for v in load_average.values() if v), default=0.0)
+    if load <= threads + OTHER_WORK:
+        return None
+    return f"load average {load:.1f} with {threads} threads of its own: other work shared the CPU"
+
+
+def verdict_line(warnings: dict[str, str]) -> str:
+    """The chapter's word on its timings: steady, or which are not to be trusted and why."""
+    if not warnings:
+        return ("Timings steady: every median's p10–p90 within half of it, and no other work "
+                "on the CPU beyond a core.")
+    return ("Not to be trusted (" + RERUN + "): "
+            + "; ".join(f"{name}: {why}" for name, why in warnings.items()) + ".")
+
+
+def warnings_of(items, machine: str | None = None) -> dict[str, str]:
+    """The machine's warning (`load_warning`, under "the machine") and every item's
+    `timing_warnings()`, in one dict: what a figure or the chapter's verdict names."""
+    found = {"the machine": machine} if machine else {}
+    for item in items:
+        found.update(item.timing_warnings())
+    return found
