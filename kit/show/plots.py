@@ -91,6 +91,16 @@ def measured_vs_published(rows: list[tuple[str, float, float]], title: str,
     return judged_figure(fig, warnings)
 
 
+def versus_pr(ratios: dict, warnings: dict | None = None) -> go.Figure:
+    """Stock compile ÷ guard-free, per step and end to end, beside the PR's before ÷ after
+    (`kit.studies.decode_timing.steps_versus_pr`)."""
+    return measured_vs_published(
+        [("step: stock ÷ guard-free", ratios["step_stock_over_guard_free"],
+          ratios["pr_step_ratio"]),
+         ("end to end: stock ÷ guard-free", ratios["e2e_stock_over_guard_free"],
+          ratios["pr_e2e_ratio"])], "Guards cost per step, barely end to end?", warnings)
+
+
 def step_latency(timings: dict, floor_seconds: list[float], warnings: dict | None = None
                  ) -> go.Figure:
     """Each decode step's time (its median over the timed runs), one line per strategy, with
