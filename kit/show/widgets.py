@@ -132,7 +132,10 @@ class KVCalculator:
             if self.moving:
                 return
             if name == "model":
-                self.note = self.memory_for_model()
+                try:
+                    self.note = self.memory_for_model()
+                except ValueError:  # e.g. its heads and tensor_parallel_size: redraw says so
+                    self.note = ""
             else:  # the note was about the settings before this change
                 self.note = ""
                 self.set_by_you |= name == "capacity_bytes"
