@@ -31,8 +31,11 @@ def test_the_load_counts_only_work_beyond_the_runs_own_threads():
 def test_the_verdict_names_what_is_not_to_be_trusted_and_what_to_do():
     assert verdict_line({}).startswith("Timings steady")
     line = verdict_line({"eager": "p10–p90 ...", "the machine": "load average 3.4 ..."})
-    assert line.startswith("Not to be trusted (close other work and run the cell again): ")
-    assert "eager: p10–p90" in line and "the machine: load average 3.4" in line
+    assert line == ("Not to be trusted (close other work and run the cell again): the machine: "
+                    "load average 3.4 ...; 1 median(s) whose steps spread wider than half of "
+                    "them (eager; eager: p10–p90 ...).")
+    many = verdict_line({f"s{i}": "wide" for i in range(20)})
+    assert "20 median(s)" in many and "(s0, s1, s2 and 17 more; s0: wide)" in many
     curve = SimpleNamespace(timing_warnings=lambda: {"tiny, batch 4": "p10–p90 ..."})
     assert warnings_of([curve], "busy") == {"the machine": "busy", "tiny, batch 4": "p10–p90 ..."}
     assert warnings_of([SimpleNamespace(timing_warnings=dict)]) == {}

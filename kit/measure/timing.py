@@ -155,12 +155,23 @@ def load_warning(load_average: dict, threads: int) -> str | None:
 
 
 def verdict_line(warnings: dict[str, str]) -> str:
-    """The chapter's word on its timings: steady, or which are not to be trusted and why."""
+    """The chapter's word on its timings, in one line: steady, or what is not to be trusted
+    (the machine's load, and how many medians spread too wide, the first of them with why)."""
     if not warnings:
         return ("Timings steady: every median's p10–p90 within half of it, and no other work "
                 "on the CPU beyond a core.")
-    return ("Not to be trusted (" + RERUN + "): "
-            + "; ".join(f"{name}: {why}" for name, why in warnings.items()) + ".")
+    parts = [f"the machine: {warnings['the machine']}"] if "the machine" in warnings else []
+    spread = [name for name in warnings if name != "the machine"]
+    if spread:
+        parts.append(f"{len(spread)} median(s) whose steps spread wider than half of them "
+                     f"({named(spread)}; {spread[0]}: {warnings[spread[0]]})")
+    return f"Not to be trusted ({RERUN}): " + "; ".join(parts) + "."
+
+
+def named(names: list[str], most: int = 3) -> str:
+    """`names` joined, the first `most` of them and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def warnings_of(items, machine: str | None = None) -> dict[str, str]:

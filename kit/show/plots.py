@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.colors as pcolors
 import plotly.graph_objects as go
 
+from kit.measure.timing import named
 from kit.units import MiB
 
 UNSTEADY_COLOR = "#c44e52"
@@ -75,7 +76,7 @@ def judged_figure(fig: go.Figure, warnings: dict | None) -> go.Figure:
     if warnings:
         fig.update_layout(title=f"{fig.layout.title.text}<br><sup style='color:"
                                 f"{UNSTEADY_COLOR}'>⚠ not to be trusted: "
-                                f"{', '.join(warnings)}; close other work and rerun</sup>",
+                                f"{named(list(warnings))}; close other work and rerun</sup>",
                           margin_t=110)
     return fig
 
