@@ -145,10 +145,12 @@ def spread_warning(seconds: list[float]) -> str | None:
 
 
 def load_warning(load_average: dict, threads: int) -> str | None:
-    """Why the machine was too busy to trust a timing, or None: the 1-minute load average at
-    the run's start or end (`load_average`: "before", "after", each os.getloadavg()) more than
+    """Why the machine was too busy to trust a timing, or None: the 1-minute load average as
+    the timed runs end (`load_average`: "before", "after", each os.getloadavg(); "before"
+    only when there is no "after": at the start it still counts the chapter before) more than
     OTHER_WORK above the run's own `threads`."""
-    load = max((v[0] for v in load_average.values() if v), default=0.0)
+    last = load_average.get("after") or load_average.get("before")
+    load = last[0] if last else 0.0
     if load <= threads + OTHER_WORK:
         return None
     return f"load average {load:.1f} with {threads} threads of its own: other work shared the CPU"
