@@ -43,6 +43,14 @@ def fmt_bytes_exact(n: int) -> str:
     return f"{n:,} ({fmt_bytes(n)})"
 
 
+def fmt_memory(n: int) -> str:
+    """A device's memory as its control shows it: `96 MiB`, `16 GiB`, `16.97 GiB` (whole
+    numbers without decimals, the rest to four digits, so two memories never read alike)."""
+    unit, size = ("GiB", GiB) if n >= GiB else ("MiB", MiB)
+    v = n / size
+    return f"{v:,.0f} {unit}" if v == round(v) or v >= 1000 else f"{v:.4g} {unit}"
+
+
 def fmt_flops(rate: float) -> str:
     """FLOP/s in the unit that keeps a slow CPU's 1.0 GFLOP/s from reading as 0.00 TFLOP/s."""
     return f"{rate / 1e12:,.2f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:,.1f} GFLOP/s"

@@ -205,9 +205,8 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
         table_blocks = page.evaluate(SIZING_TABLE_BLOCKS)
         assert table_blocks and blocks(start) == int(table_blocks.replace(",", "")), \
             (start, table_blocks)
-        memory = calculator.locator(".widget-slider").filter(has_text="device_memory_gib")
-        assert float(memory.locator(".widget-readout").inner_text()) == pytest.approx(
-            96 / 1024, rel=1e-2)  # the preset's 96 MiB, within the slider's range
+        memory = calculator.locator(".widget-slider").filter(has_text="device_memory")
+        assert memory.locator(".widget-readout").inner_text() == "96 MiB"  # the preset's
 
         # drag gpu_memory_utilization to the left: less memory for the cache
         slider = calculator.locator(".widget-slider").filter(has_text="gpu_memory_utilization")
@@ -288,6 +287,75 @@ def test_calculator_in_jupyterlab(browser, lab, artifact):
     except Exception:
         page.screenshot(path=failure_shot)
         raise
+    finally:
+        w.close()
+
+
+CALCULATOR_CELL = """import kit
+from kit.measure.device import capacity_bytes
+from kit.show import widgets
+from kit.studies import kv_cache_sizing
+settings = kit.notebook_settings(globals())
+capacity = capacity_bytes(settings.device, settings.device_memory)
+compute = kv_cache_sizing.Calculator(settings, 10 * 2**20)
+calculator = widgets.kv_calculator(settings, capacity, compute, kv_cache_sizing.LAYER_PATTERNS)"""
+
+
+def choose(page, box, label: str, value: str, wait_for: str) -> str:
+    """Pick `value` in the calculator's dropdown named `label`; the numbers once they say
+    `wait_for`."""
+    box.locator(".widget-dropdown").filter(
+        has=page.locator("label", has_text=re.compile(f"^{label}$"))).locator("select") \
+        .select_option(value)
+    numbers = box.locator(".kit-calculator-numbers")
+    page.wait_for_function("([el, text]) => el.innerText.includes(text)",
+                           arg=[numbers.element_handle(), wait_for], timeout=30_000)
+    return numbers.inner_text()
+
+
+def test_the_calculator_computes_at_the_memory_it_shows(browser, lab, artifact):
+    """Chapter 02's calculator in a notebook of its own (chapter 02's parameters, a fixed 10 MiB
+    of activations, so no profile runs): choosing mistral-7b-v0.1 moves the memory to 16 GiB,
+    the slider reads 16 GiB and the numbers are the kit's `Calculator` at exactly 16 GiB; chosen
+    after tiny, after deepseek-v3 and after qwen3.5-27b, the numbers are the same."""
+    import nbformat
+    from kit.config import load
+    from kit.studies.kv_cache_sizing import Calculator
+    chapter = nbformat.read(NOTEBOOKS_DIR / "02_kv_cache.ipynb", as_version=4)
+    chapter.cells = [chapter.cells[1], nbformat.v4.new_code_cell(CALCULATOR_CELL)]
+    nbformat.write(chapter, lab.root / "calculator.ipynb")
+    kit = Calculator(load("cpu-small"), 10 * 2**20)(
+        model="mistral-7b-v0.1", capacity_bytes=16 * 2**30, gpu_memory_utilization=0.9,
+        block_size=16, kv_cache_dtype="auto", max_model_len=1024).config
+    w = Watched(browser, (lab.url,))
+    page = w.page
+    try:
+        page.goto(f"{lab.url}/lab/workspaces/calculator/tree/calculator.ipynb?token={lab.token}")
+        page.get_by_text(re.compile(r"^Python 3 \(ipykernel\) \| Idle$")).wait_for(timeout=90_000)
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        box = page.locator(".widget-vbox").filter(has=page.locator(".kit-calculator-numbers"))
+        box.locator(".kit-calculator-numbers").wait_for(timeout=90_000)
+        memory = box.locator(".widget-slider").filter(has_text="device_memory")
+        shown = []
+        for before, note in (("tiny", None), ("deepseek-v3", "moved to 192 GiB"),
+                             ("qwen3.5-27b", "moved to 80 GiB")):
+            if note:
+                choose(page, box, "model", before, note)
+            numbers = choose(page, box, "model", "mistral-7b-v0.1", "moved to 16 GiB")
+            assert memory.locator(".widget-readout").inner_text() == "16 GiB"
+            assert blocks(numbers) == kit.num_blocks == 182
+            assert f"{kit.num_tokens:,} tokens" in numbers
+            assert f"{kit.max_concurrency:.2f}× concurrency" in numbers
+            page.wait_for_function(
+                "([box, text]) => (box.querySelector('.js-plotly-plot .gtitle') || {})"
+                ".textContent?.startsWith(text)", arg=[box.element_handle(), "182 blocks"],
+                timeout=30_000)
+            shown.append(numbers)
+        assert len(set(shown)) == 1, shown
+        box.scroll_into_view_if_needed()
+        page.screenshot(path=artifact("jupyterlab-calculator-16gib.png"))
+        assert not w.errors, w.errors
     finally:
         w.close()
 

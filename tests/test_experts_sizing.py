@@ -106,12 +106,12 @@ def test_the_calculator_widget_moves_to_an_h100_then_an_h200():
     from kit.show.widgets import kv_calculator
     from kit.studies.kv_cache_sizing import Calculator
     s = load("cpu-small")
-    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0})
+    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0}).box
     model, memory, numbers = box.children[0], box.children[2], box.children[-2]
     model.value = "qwen3-30b-a3b"
-    assert memory.value == 80 and "device_memory moved to 80 GiB" in numbers.value
+    assert memory.value == 80 * GiB and "device_memory moved to 80 GiB" in numbers.value
     model.value = "mixtral-8x7b"  # its 87 GiB of weights do not fit 80 GiB × 0.9
-    assert memory.value == 141 and "device_memory moved to 141 GiB" in numbers.value
+    assert memory.value == 141 * GiB and "device_memory moved to 141 GiB" in numbers.value
     assert "Does not fit" not in numbers.value and "KV cache size" in numbers.value
 
 

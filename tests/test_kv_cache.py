@@ -258,14 +258,15 @@ def test_the_calculator_moves_its_memory_to_where_a_chosen_model_is_served():
     from kit.show.widgets import kv_calculator
     from kit.studies.kv_cache_sizing import Calculator
     s = load("cpu-small")
-    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0})
+    box = kv_calculator(s, 96 * 2**20, Calculator(s, 10 * 2**20), {"as configured": 0}).box
     model, memory, numbers = box.children[0], box.children[2], box.children[-2]
     assert "blocks" in numbers.value and "moved" not in numbers.value
     model.value = "mistral-7b-v0.1"
-    assert memory.value == 16 and "device_memory moved to 16 GiB" in numbers.value
+    assert memory.value == 16 * GiB and memory.label == "16 GiB"
+    assert "device_memory moved to 16 GiB" in numbers.value
     assert "Does not fit" not in numbers.value and "KV cache size" in numbers.value
     model.value = s.model
-    assert memory.value * GiB == 96 * 2**20 and "moved" not in numbers.value
+    assert memory.value == 96 * 2**20 and "moved" not in numbers.value
 
 
 def test_the_calculator_says_which_block_it_sizes_at_and_what_windowed_tokens_are():

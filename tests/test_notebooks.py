@@ -141,14 +141,18 @@ def test_notebooks_are_thin(path):
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_every_figure_a_cell_makes_is_shown(path):
-    """A cell shows only its last expression: a `rec.figure(...)` (or any `*figure*` call) left
-    as a statement before another is recorded but never drawn in JupyterLab."""
+    """A cell shows its last expression and what it hands to `display(...)`: a `rec.figure(...)`
+    (or any `*figure*` call) elsewhere, in a statement before the last or inside an `if` or a
+    loop, is recorded but never drawn, in JupyterLab or in the headless notebook."""
     hidden = []
     for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
         body = ast.parse(cell.source).body if cell.cell_type == "code" else []
-        hidden += [f"cell {i}: {ast.unparse(s)[:60]}" for s in body[:-1]
-                   if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
-                   and "figure" in ast.unparse(s.value.func)]
+        shown = {id(n) for s in body[-1:] if isinstance(s, ast.Expr) for n in ast.walk(s)}
+        shown |= {id(n) for call in ast.walk(ast.Module(body, [])) if isinstance(call, ast.Call)
+                  and ast.unparse(call.func) == "display" for n in ast.walk(call)}
+        hidden += [f"cell {i}: {ast.unparse(n)[:60]}" for n in ast.walk(ast.Module(body, []))
+                   if isinstance(n, ast.Call) and "figure" in ast.unparse(n.func)
+                   and id(n) not in shown]
     assert not hidden, hidden
 
 

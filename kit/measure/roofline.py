@@ -84,6 +84,30 @@ def unread_embedding_rows(arch: ModelConfig, num_seqs: int) -> int:
     return unread
 
 
+def embedding_rows_formula(arch: ModelConfig, num_seqs: int) -> str:
+    """`unread_embedding_rows` written out: `(32,000 − 8) rows × 256`."""
+    terms = [f"−{num_seqs} rows × {arch.hidden_size:,}" if arch.tie_word_embeddings
+             else f"({arch.vocab_size:,} − {num_seqs}) rows × {arch.hidden_size:,}"]
+    if arch.hidden_size_per_layer_input:
+        terms.append(f"({arch.vocab_size_per_layer_input:,} − {num_seqs}) rows × "
+                     f"{arch.per_layer_width:,}")
+    return " + ".join(terms)
+
+
+def weights_reconciled(arch: ModelConfig, cost: "StepCost", num_seqs: int,
+                       dtype_bytes: int) -> tuple[int, str]:
+    """The floor's weights (counted from the config) plus what a step of `num_seqs` tokens
+    does not read, the embedding rows outside the batch and the experts no token picked:
+    the total in bytes, which must be the built model's tensors, and the sum written out."""
+    rows = unread_embedding_rows(arch, num_seqs)
+    experts = unread_expert_weights(arch, cost.experts_read or None) * dtype_bytes
+    total = cost.weight_bytes + rows * dtype_bytes + experts
+    return total, (f"{cost.weight_bytes:,} B (the floor's) + embedding "
+                   f"{embedding_rows_formula(arch, num_seqs)} = {rows:,} elements × "
+                   f"{dtype_bytes} B" + (f" + {experts:,} B of experts no token picked"
+                                         if experts else "") + f" = {total:,} B")
+
+
 def unread_expert_weights(arch: ModelConfig, experts_read=None) -> int:
     """Elements of the experts no token of the step picked, over every MoE layer."""
     moe = [i for i in range(arch.num_hidden_layers) if arch.is_moe(i)]

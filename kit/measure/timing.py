@@ -125,3 +125,61 @@ def cache_lookup_seconds(fn, device: str, calls: int = 20) -> float | None:
     if not events:
         return None
     return sum(e.cpu_time_total for e in events) / 1e6 / calls
+
+
+# --- whether a median can be trusted -----------------------------------------------------------
+
+NOISY_SPREAD = 0.5  # p10 to p90 wider than half the median: the median can be off by as much
+OTHER_WORK = 1.0    # a whole core's worth of other work beside the run's own threads
+RERUN = "close other work and run the cell again"
+
+
+def spread_warning(seconds: list[float]) -> str | None:
+    """Why the median of `seconds` is not to be trusted from its own spread (p10 to p90 wider
+    than NOISY_SPREAD × the median), or None."""
+    t = Timings(list(seconds))
+    median, p10, p90 = t.median, t.quantile(0.1), t.quantile(0.9)
+    if median <= 0 or (p90 - p10) <= NOISY_SPREAD * median:
+        return None
+    return f"p10–p90 {p10 * 1e3:,.2f}–{p90 * 1e3:,.2f} ms around a {median * 1e3:,.2f} ms median"
+
+
+def load_warning(load_average: dict, threads: int) -> str | None:
+    """Why the machine was too busy to trust a timing, or None: the 1-minute load average as
+    the timed runs end (`load_average`: "before", "after", each os.getloadavg(); "before"
+    only when there is no "after": at the start it still counts the chapter before) more than
+    OTHER_WORK above the run's own `threads`."""
+    last = load_average.get("after") or load_average.get("before")
+    load = last[0] if last else 0.0
+    if load <= threads + OTHER_WORK:
+        return None
+    return f"load average {load:.1f} with {threads} threads of its own: other work shared the CPU"
+
+
+def verdict_line(warnings: dict[str, str]) -> str:
+    """The chapter's word on its timings, in one line: steady, or what is not to be trusted
+    (the machine's load, and how many medians spread too wide, the first of them with why)."""
+    if not warnings:
+        return ("Timings steady: every median's p10–p90 within half of it, and no other work "
+                "on the CPU beyond a core.")
+    parts = [f"the machine: {warnings['the machine']}"] if "the machine" in warnings else []
+    spread = [name for name in warnings if name != "the machine"]
+    if spread:
+        parts.append(f"{len(spread)} median(s) whose steps spread wider than half of them "
+                     f"({named(spread)}; {spread[0]}: {warnings[spread[0]]})")
+    return f"Not to be trusted ({RERUN}): " + "; ".join(parts) + "."
+
+
+def named(names: list[str], most: int = 3) -> str:
+    """`names` joined, the first `most` of them and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def warnings_of(items, machine: str | None = None) -> dict[str, str]:
+    """The machine's warning (`load_warning`, under "the machine") and every item's
+    `timing_warnings()`, in one dict: what a figure or the chapter's verdict names."""
+    found = {"the machine": machine} if machine else {}
+    for item in items:
+        found.update(item.timing_warnings())
+    return found

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass
 
 from kit.config import reference
+from kit.show.judgement import FLOOR_SHARE, UNSTEADY
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ def decode(r: dict) -> list[Finding]:
     timing = (r.get("strategies") or {}).get(best)
     if not timing or not timing.get("median_step_seconds"):
         return []
+    warned = r.get("timing_warnings") or {}
+    share = timing.get("percent_of_floor")
     found = [Finding("04_decode_timing", f"the quickest decode step ({best})",
-                     _ms(timing["median_step_seconds"]) + (  # percent: floor ÷ step
-                         f", {100 / timing['percent_of_floor']:.1f}× its bandwidth floor"
-                         if timing.get("percent_of_floor") else ""),
+                     _ms(timing["median_step_seconds"])  # the chapter's words and number
+                     + (f", {FLOOR_SHARE} {share:.0f}%" if share else "")
+                     + untrusted(warned, best),
                      f"floor {_ms(statistics.median(r['floor_seconds']))}: the bytes a step "
                      "must move ÷ the copy bandwidth measured in the run"
                      if r.get("floor_seconds") else "no floor measured")]
@@ -58,10 +61,17 @@ def decode(r: dict) -> list[Finding]:
         pr = reference("pr7796")
         found.append(Finding("04_decode_timing", "what checking guards costs a step: stock "
                              "compile's step ÷ guard-free's",
-                             f"{r['step_stock_over_guard_free']:.2f}×",
+                             f"{r['step_stock_over_guard_free']:.2f}×"
+                             + untrusted(warned, "stock", "guard_free"),
                              f"the PR: {r['pr_step_ratio']:.2f}× ({pr['decode_step_ms_before']:g} → "
                              f"{pr['decode_step_ms_after']:g} ms on a GPU)"))
     return found
+
+
+def untrusted(warnings: dict, *names: str) -> str:
+    """What the chapter said against these strategies' timings (or the machine), if anything."""
+    why = [f"{n}: {warnings[n]}" for n in ("the machine", *names) if n in warnings]
+    return f" {UNSTEADY} not to be trusted ({'; '.join(why)})" if why else ""
 
 
 def vllm(r: dict) -> list[Finding]:

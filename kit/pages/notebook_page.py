@@ -1,11 +1,13 @@
 """Executed notebooks as HTML pages beside them in the run folder, offline: plotly outputs drawn
-with the run folder's plotly.js, widgets (not live in a static page) replaced by a note.
+with the run folder's plotly.js, LaTeX math as MathML (`kit.pages.math`), widgets (not live in
+a static page) replaced by a note.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from kit.pages.html import plotly_js
+from kit.pages.math import render_math
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -31,6 +33,8 @@ def notebook_page(ipynb: Path) -> Path:
     nb = nbformat.read(ipynb, as_version=4)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
+        if cell.cell_type == "markdown":  # no MathJax offline: the math as MathML
+            cell.source = render_math(cell.source)
         for output in cell.get("outputs", []):
             data = output.get("data", {})
             if PLOTLY_MIME in data:

@@ -82,16 +82,20 @@ def latent_table(rows: list[dict]) -> Table:
                    "latent, all layers": fmt_bytes(r["latent_bytes_per_token"])} for r in rows])
 
 
-def hybrid_table(rows: list[dict]) -> Table:
+def hybrid_table(rows: list[dict], derivations: list[str] | None = None) -> Table:
     """Each hybrid's attention block, state and padding on a device
-    (`cache_kinds_lesson.HybridBlock.row`)."""
+    (`cache_kinds_lesson.HybridBlock.row`), with vLLM's rule for the block worked out in a
+    column of its own when `derivations` (`HybridBlock.derivation`, one per row) are given."""
+    derivations = derivations or [None] * len(rows)
     return Table([{"model": r["model"], "device": r["device"],
                    "attention, B per token": f'{r["attention_bytes_per_token"]:,}',
                    "state, B per request": f'{r["state_bytes"]:,}',
+                   **({"block = k × ⌈state ÷ (k × attention)⌉": d} if d else {}),
                    "attention block": f'{r["block_size"]:,} tokens',
                    "state padded": f'{r["padding"]:.2%}',
                    "groups × layers": f'{r["groups"]} × {r["layers_per_group"]}',
-                   "blocks per 32k request": r["blocks_per_request"]} for r in rows])
+                   "blocks per 32k request": r["blocks_per_request"]}
+                  for r, d in zip(rows, derivations)])
 
 
 def grid_per_model_table(grid) -> Table:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import plotly.colors as pcolors
 import plotly.graph_objects as go
 
+from kit.measure.timing import named
 from kit.units import MiB
+
+UNSTEADY_COLOR = "#c44e52"
 
 COLORS = {"weights": "#4c72b0", "activations": "#dd8452", "non-torch": "#937860",
           "KV cache": "#55a868", "unused": "#d0d0d0", "short": "#c44e52"}
@@ -67,17 +70,40 @@ def matmul_throughput(matmuls: dict) -> go.Figure:
     return fig
 
 
-def measured_vs_published(rows: list[tuple[str, float, float]], title: str) -> go.Figure:
+def judged_figure(fig: go.Figure, warnings: dict | None) -> go.Figure:
+    """`fig` with a line under its title naming the timings it draws that are not to be
+    trusted (`warnings`: name -> why, `kit.measure.timing`; the chapter prints the whys)."""
+    if warnings:
+        fig.update_layout(title=f"{fig.layout.title.text}<br><sup style='color:"
+                                f"{UNSTEADY_COLOR}'>⚠ not to be trusted: "
+                                f"{named(list(warnings))}; close other work and rerun</sup>",
+                          margin_t=110)
+    return fig
+
+
+def measured_vs_published(rows: list[tuple[str, float, float]], title: str,
+                          warnings: dict | None = None) -> go.Figure:
     """Grouped bars of (label, measured, published) ratios."""
     fig = go.Figure()
     labels = [r[0] for r in rows]
     fig.add_bar(name="measured here", x=labels, y=[r[1] for r in rows])
     fig.add_bar(name="published (seed)", x=labels, y=[r[2] for r in rows])
     fig.update_layout(barmode="group", title=title)
-    return fig
+    return judged_figure(fig, warnings)
 
 
-def step_latency(timings: dict, floor_seconds: list[float]) -> go.Figure:
+def versus_pr(ratios: dict, warnings: dict | None = None) -> go.Figure:
+    """Stock compile ÷ guard-free, per step and end to end, beside the PR's before ÷ after
+    (`kit.studies.decode_timing.steps_versus_pr`)."""
+    return measured_vs_published(
+        [("step: stock ÷ guard-free", ratios["step_stock_over_guard_free"],
+          ratios["pr_step_ratio"]),
+         ("end to end: stock ÷ guard-free", ratios["e2e_stock_over_guard_free"],
+          ratios["pr_e2e_ratio"])], "Guards cost per step, barely end to end?", warnings)
+
+
+def step_latency(timings: dict, floor_seconds: list[float], warnings: dict | None = None
+                 ) -> go.Figure:
     """Each decode step's time (its median over the timed runs), one line per strategy, with
     the bandwidth floor beneath."""
     fig = go.Figure()
@@ -89,20 +115,20 @@ def step_latency(timings: dict, floor_seconds: list[float]) -> go.Figure:
                     name="bandwidth floor", mode="lines", line={"dash": "dash", "color": "black"})
     fig.update_layout(xaxis_title="decode step", yaxis_title="ms", yaxis_rangemode="tozero",
                       title="Per-step latency (warm-up and compilation excluded)")
-    return fig
+    return judged_figure(fig, warnings)
 
 
-def step_box(timings: dict) -> go.Figure:
+def step_box(timings: dict, warnings: dict | None = None) -> go.Figure:
     """The spread of step times per strategy: every step of every timed run."""
     fig = go.Figure()
     for name, t in timings.items():
         fig.add_box(y=[s * 1e3 for s in t.samples.seconds], name=name, boxpoints="all")
     fig.update_layout(yaxis_title="ms per decode step", yaxis_rangemode="tozero",
                       title="Step time distribution per strategy", showlegend=False)
-    return fig
+    return judged_figure(fig, warnings)
 
 
-def floor_percent(timings: dict) -> go.Figure:
+def floor_percent(timings: dict, warnings: dict | None = None) -> go.Figure:
     """Bandwidth floor as % of each strategy's median step, floor ÷ median as the tables show
     them (100% = as fast as a plain copy; a bar over it is flagged as a measurement to
     repeat)."""
@@ -112,12 +138,12 @@ def floor_percent(timings: dict) -> go.Figure:
                            else "") for n, v in zip(names, values)]
     fig = go.Figure(go.Bar(x=names, y=values, text=text, marker_color=COLORS["KV cache"]))
     fig.add_hline(y=100, line_dash="dash", annotation_text="the floor")
-    fig.update_layout(yaxis_title="% of the bandwidth floor (median step)",
+    fig.update_layout(yaxis_title="floor ÷ median step (%)",
                       title="How close each strategy gets to the memory-bandwidth limit")
-    return fig
+    return judged_figure(fig, warnings)
 
 
-def step_parts(timings: dict, floor_seconds: float) -> go.Figure:
+def step_parts(timings: dict, floor_seconds: float, warnings: dict | None = None) -> go.Figure:
     """Each strategy's median step split into its profiled parts (weight matmuls, sampling,
     everything else), the bandwidth floor of the median step dashed across."""
     fig = go.Figure()
@@ -131,7 +157,7 @@ def step_parts(timings: dict, floor_seconds: float) -> go.Figure:
     fig.add_hline(y=floor_seconds * 1e3, line_dash="dash", annotation_text="bandwidth floor")
     fig.update_layout(barmode="stack", yaxis_title="ms per step (timed median, split by profile)",
                       title="Where a decode step's time goes")
-    return fig
+    return judged_figure(fig, warnings)
 
 
 def plan_bars(rows: list[dict], key: str, title: str, yaxis: str, scale: float = 1.0,
@@ -182,32 +208,35 @@ def batch_size_trace(sizes: list[int]) -> go.Figure:
     return fig
 
 
-def step_vs_context(curves) -> go.Figure:
+def spread_bars(curve) -> dict:
+    """Error bars from each point's p10 to its p90 (`curve.quantiles`, `curve.medians`)."""
+    low, high, mid = curve.quantiles(0.1), curve.quantiles(0.9), curve.medians
+    return dict(type="data", symmetric=False, array=[(h - m) * 1e3 for h, m in zip(high, mid)],
+                arrayminus=[(m - lo) * 1e3 for lo, m in zip(low, mid)])
+
+
+def step_vs_context(curves, warnings: dict | None = None) -> go.Figure:
     """Median decode step (ms) against context length, one line per variant (`ContextCurve`),
     the p10–p90 of its steps as error bars (on a busy machine the spread, not a jumping line),
     each one's bandwidth floor dotted beneath in its colour."""
     fig = go.Figure()
     palette = ["#4c72b0", "#c44e52", "#55a868", "#8172b2"]
     for curve, color in zip(curves, palette):
-        low, high = curve.quantiles(0.1), curve.quantiles(0.9)
         fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.medians], name=curve.label,
                         mode="lines+markers", line_color=color,
-                        error_y=dict(type="data", symmetric=False,  # p10 to p90 of the steps
-                                     array=[(h - m) * 1e3 for h, m in zip(high, curve.medians)],
-                                     arrayminus=[(m - lo) * 1e3
-                                                 for lo, m in zip(low, curve.medians)]))
+                        error_y=spread_bars(curve))
         fig.add_scatter(x=curve.lengths, y=[s * 1e3 for s in curve.floors], mode="lines",
                         name=f"floor: {curve.label}", line=dict(color=color, dash="dot"))
     fig.update_xaxes(type="log", title_text="context length (tokens per sequence)",
                      tickvals=curves[0].lengths)
     fig.update_yaxes(title_text="median decode step (ms)", rangemode="tozero")
     fig.update_layout(title="Decode step against context: a sliding window stops growing")
-    return fig
+    return judged_figure(fig, warnings)
 
 
-def experts_by_batch(curves) -> go.Figure:
-    """Left: median eager decode step (ms) against batch size per model (`BatchCurve`), each
-    one's floor dotted beneath (from the experts its steps picked); right: the MoE's distinct
+def experts_by_batch(curves, warnings: dict | None = None) -> go.Figure:
+    """Left: median eager decode step (ms) against batch size per model (`BatchCurve`), p10 to
+    p90 of its steps as error bars, each one's floor dotted beneath (from the experts its steps picked); right: the MoE's distinct
     experts per layer per step, measured beside E·(1 − (1 − k/E)^B)."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
@@ -216,7 +245,8 @@ def experts_by_batch(curves) -> go.Figure:
     for curve, color in zip(curves, palette):
         b = curve.batch_sizes
         fig.add_scatter(x=b, y=[s * 1e3 for s in curve.medians], name=f"step: {curve.label}",
-                        mode="lines+markers", line_color=color, row=1, col=1)
+                        mode="lines+markers", line_color=color, row=1, col=1,
+                        error_y=spread_bars(curve))
         fig.add_scatter(x=b, y=[s * 1e3 for s in curve.floor_medians], mode="lines",
                         name=f"floor: {curve.label}", line=dict(color=color, dash="dot"),
                         row=1, col=1)
@@ -232,7 +262,7 @@ def experts_by_batch(curves) -> go.Figure:
     fig.update_yaxes(title_text="experts per layer", rangemode="tozero", row=1, col=2)
     fig.update_layout(title="An MoE step reads more experts as the batch grows; a dense one "
                             "reads the same weights")
-    return fig
+    return judged_figure(fig, warnings)
 
 
 def kit_vs_vllm(labels: list[str], kit_values: list, vllm_values: list, title: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 
+from kit.show.judgement import FLOOR_SHARE, marked, marked_title, unsteady
 from kit.units import Bytes, MiB, fmt_bytes, fmt_bytes_exact, fmt_flops
 
 
@@ -275,22 +276,25 @@ def decode_table(report) -> Table:
     """Chapter 04's strategies (`DecodeReport`): step times, floor, correctness, matmuls; the
     CUDA graph capture apart from the compile when a strategy captured one."""
     captured = any(t.capture_seconds for t in report.timings.values())
+    warned = report.timing_warnings()
     rows = [{"strategy": t.strategy, "compile s": f"{t.compile_seconds:.2f}"
              + (f" (graph: {t.reused_from}'s)" if t.reused_from else ""),
              **({"capture s": f"{t.capture_seconds:.2f}"} if captured else {}),
              "graphs / guards": f"{t.graphs_compiled} / {t.guards}",
-             "median ms": f"{t.median * 1e3:.2f}",
+             "median ms": marked(f"{t.median * 1e3:.2f}", unsteady(warned, t.strategy)),
              "p10–p90 ms": f"{t.p10 * 1e3:.2f}–{t.p90 * 1e3:.2f}",
              "prefill s": f"{t.prefill_seconds:.3f} ({t.prefill})",
              "end to end s": f"{t.end_to_end_seconds:.3f}",
              "tokens/s": f"{t.tokens_per_second:,.0f}",
-             "% of floor": floor_cell(t),
+             FLOOR_SHARE: floor_cell(t),
              "max logit error": f"{t.correctness.max_error:.1e}",
              "weight matmuls: share, GB/s": matmul_cell(t.breakdown, t.median)}
             for t in report.timings.values()]
     s = report.settings
-    return Table(rows, f"{s.arch.name}, batch {s.batch_size}, input {s.input_len}, "
-                       f"{report.fit.steps} decode steps, {s.dtype}, {s.device}")
+    return Table(rows, marked_title(f"{s.arch.name}, batch {s.batch_size}, input "
+                                    f"{s.input_len}, {report.fit.steps} decode steps, "
+                                    f"{s.dtype}, {s.device}", warned))
+
 
 
 def correctness_table(report) -> Table:
@@ -308,9 +312,10 @@ def correctness_table(report) -> Table:
 def end_to_end_table(report, pr: dict, vllm: dict | None) -> Table:
     """Warm-up, prefill, step and end to end per strategy, the PR's (and vLLM CPU's recorded
     figures for this shape, when there are any) beside."""
+    warned = report.timing_warnings()
     rows = [{"strategy": n, "warm-up s (compile included)": f"{t.warmup_seconds:.2f}",
              "prefill ms": f"{t.prefill_seconds * 1e3:.1f}",
-             "median step ms": f"{t.median * 1e3:.2f}",
+             "median step ms": marked(f"{t.median * 1e3:.2f}", unsteady(warned, n)),
              "prefill s": f"{t.prefill_seconds:.3f} ({t.prefill})",
              "end to end s": f"{t.end_to_end_seconds:.3f}",
              "tokens/s": f"{t.tokens_per_second:,.0f}"}
@@ -327,7 +332,7 @@ def end_to_end_table(report, pr: dict, vllm: dict | None) -> Table:
     elif report.settings.device == "cpu":
         rows.append({"strategy": "vLLM CPU: no figure recorded for this machine, dtype and "
                                  "shape; chapter 05 runs vLLM beside the kit"})
-    return Table(rows)
+    return Table(rows, marked_title("", warned))
 
 
 def floor_cell(t) -> str:
@@ -338,28 +343,32 @@ def floor_cell(t) -> str:
 
 def roofline_table(report) -> Table:
     """Each strategy's median step against the bandwidth floor of the median step."""
-    cost = report.median_cost
-    return Table([{"strategy": n, "median step ms": f"{t.median * 1e3:.2f}",
+    cost, warned = report.median_cost, report.timing_warnings()
+    return Table([{"strategy": n,
+                   "median step ms": marked(f"{t.median * 1e3:.2f}", unsteady(warned, n)),
                    "floor ms": f"{t.median_floor_seconds * 1e3:.2f}",
-                   "% of bandwidth floor": floor_cell(t),
+                   FLOOR_SHARE: floor_cell(t),
                    "achieved GB/s": f"{cost.total_bytes / t.median / 1e9:,.1f}",
                    "achieved": fmt_flops(cost.flops / t.median)}
-                  for n, t in report.timings.items()])
+                  for n, t in report.timings.items()], marked_title("", warned))
 
 
 def step_parts_table(report) -> Table:
     """Each strategy's median step split by its profile, with the rate the weight matmuls
     stream the weights at beside the copy bandwidth."""
+    warned = report.timing_warnings()
+
     def row(name, t):
         bw = t.breakdown.gemm_bandwidth_at(t.median)
-        return {"strategy": name, "median step ms": f"{t.median * 1e3:.2f}",
+        return {"strategy": name,
+                "median step ms": marked(f"{t.median * 1e3:.2f}", unsteady(warned, name)),
                 **{f"{part} ms": f"{seconds * 1e3:.2f}"
                    for part, seconds in t.breakdown.scaled(t.median).items()},
                 "weight matmuls GB/s": f"{bw / 1e9:,.1f}" if bw else "n/a (not seen)",
                 "copy GB/s": f"{report.limits.bandwidth / 1e9:,.1f}"}
     steps = next(iter(report.timings.values())).breakdown.steps
-    return Table([row(n, t) for n, t in report.timings.items()],
-                 f"Each strategy's median step, split by a profile of {steps} more steps")
+    return Table([row(n, t) for n, t in report.timings.items()], marked_title(
+        f"Each strategy's median step, split by a profile of {steps} more steps", warned))
 
 
 # --- chapter 05 -------------------------------------------------------------------------------
@@ -420,28 +429,3 @@ def form_table(report) -> Table | str:
                        f"{f['best_compiled_seconds'] * 1e3:.2f}",
                    "the form buys (matmuls ÷ summed, eager)": f"{f['form_buys']:.2f}×",
                    "the compiler buys (eager ÷ compiled, summed)": f"{f['compiler_buys']:.2f}×"}])
-
-
-def experts_by_batch_table(curves) -> Table:
-    """Chapter 04: per batch size, each model's median eager step and floor, and the MoE's
-    distinct experts per layer measured beside E·(1 − (1 − k/E)^B)
-    (`kit.studies.experts_by_batch.BatchCurve`)."""
-    rows = []
-    for i, b in enumerate(curves[0].batch_sizes):
-        row = {"batch": b}
-        for c in curves:
-            row[f"{c.label} step / floor (ms)"] = \
-                f"{c.medians[i] * 1e3:.2f} / {c.floor_medians[i] * 1e3:.2f}"
-            if c.is_moe:
-                row[f"{c.label} experts per layer: measured / expected"] = \
-                    f"{c.measured_distinct[i]:.2f} / {c.expected_distinct[i]:.2f}"
-        rows.append(row)
-    return Table(rows)
-
-
-def routing_compile_table(results) -> Table:
-    """Chapter 04: what routing does to a compiled MoE layer
-    (`kit.studies.experts_by_batch.RoutingCompile`)."""
-    return Table([{"form": r.form, "routings": r.routings, "fullgraph=True": r.fullgraph,
-                   "graphs": r.graphs, "graph breaks": r.graph_breaks,
-                   "recompiles": r.recompiles} for r in results])

@@ -67,13 +67,17 @@ class HybridBlock:
         return self.state.page_size_bytes / self.state.state_bytes - 1
 
     def derivation(self) -> str:
-        """vLLM's rule with this model's numbers (`kit.engine.hybrid_cache.align_hybrid`)."""
+        """vLLM's rule with this model's numbers (`kit.engine.hybrid_cache.align_hybrid`):
+        block = k × ⌈state bytes / (k × attention bytes per token)⌉, k the larger of the
+        kernel's block and block_size."""
         a, s = self.attention, self.state
         k = max(KERNEL_BLOCK[self.device], self.layout.requested_block_size)
-        return (f"{self.model} on {self.device}: attention keeps {a.bytes_per_token:,} B a token; "
-                f"a state is {s.state_bytes:,} B; block = {k} × ⌈{s.state_bytes:,} / ({k} × "
-                f"{a.bytes_per_token:,})⌉ = {a.block_size:,} tokens; page {s.page_size_bytes:,} B, "
-                f"the state padded {self.padding:.2%}")
+        return f"{k} × ⌈{s.state_bytes:,} / ({k} × {a.bytes_per_token:,})⌉ = {a.block_size:,}"
+
+    def log_lines(self) -> str:
+        """The lines vLLM logs as it sets this block, led by the model they are about."""
+        return "\n".join([f"vLLM's log for {self.model} on {self.device}:",
+                          *(f"  {line}" for line in self.layout.notes)])
 
     def row(self, max_model_len: int, in_flight: int) -> dict:
         per_request = self.layout.blocks_per_request(max_model_len, in_flight)

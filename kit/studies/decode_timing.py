@@ -36,7 +36,7 @@ from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
                                   measure_limits)
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
-from kit.measure.timing import Timings
+from kit.measure.timing import Timings, load_warning, spread_warning, verdict_line
 from kit.units import (Count, FlopPerSecond, Number, Percent, Ratio, Seconds, TokensPerSecond,
                        fmt_flops)
 
@@ -308,6 +308,21 @@ class DecodeReport:
             rates["float32"] = self.dtype_speed.float32_flops_per_second
         return hardware_figures(self.limits.bandwidth, rates)
 
+    def machine_warning(self) -> str | None:
+        """Why no timing of this run is to be trusted (a busy machine), or None."""
+        return load_warning(self.load_average, self.machine.get("torch_threads") or 1)
+
+    def timing_warnings(self) -> dict[str, str]:
+        """What says a median here is not to be trusted: the machine's load, and each
+        strategy's own spread (`kit.measure.timing`), by name; empty when nothing does."""
+        found = {"the machine": self.machine_warning(),
+                 **{n: spread_warning(t.samples.seconds) for n, t in self.timings.items()}}
+        return {n: why for n, why in found.items() if why}
+
+    def verdict(self) -> str:
+        """The chapter's word on its step timings (`kit.measure.timing.verdict_line`)."""
+        return verdict_line(self.timing_warnings())
+
     def best(self) -> StrategyTiming:
         return min(self.timings.values(), key=lambda t: t.median)
 
@@ -336,7 +351,8 @@ class DecodeReport:
                 "form_and_compiler": self.form_and_compiler(),
                 "best_strategy": self.best().strategy, "hardware": self.hardware(),
                 "machine": self.machine,
-                "load_average": Number.of(self.load_average)}
+                "load_average": Number.of(self.load_average),
+                "timing_warnings": self.timing_warnings()}
 
 
 def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
@@ -382,7 +398,7 @@ def run_decode(settings: Settings, layout: KVCacheLayout, progress=print,
     for t in timings.values():
         t.floor_seconds = [c.floor_seconds(limits.bandwidth) for c in costs]
         progress(f"{t.strategy}: median step {t.median * 1e3:.2f} ms (p10 {t.p10 * 1e3:.2f}, "
-                 f"p90 {t.p90 * 1e3:.2f}), {t.percent_of_floor:.0f}% of the bandwidth floor")
+                 f"p90 {t.p90 * 1e3:.2f}), floor ÷ step {t.percent_of_floor:.0f}%")
     return DecodeReport(settings, layout, fit, limits, mixed_lens, mixed, timings, costs, speed,
                         summed, machine={**describe(settings.device), "versions": versions()},
                         load_average={"before": load_before, "after": os.getloadavg()},

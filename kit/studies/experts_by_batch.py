@@ -26,6 +26,7 @@ from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.layers.experts import expected_distinct_experts, one_moe_layer
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
+from kit.measure.timing import Timings, spread_warning
 from kit.units import Count, Number, Seconds
 
 BATCH_SIZES = (1, 4, 16)  # one token, a few, and past E/k tokens (most experts read)
@@ -57,6 +58,17 @@ class BatchCurve:
     @property
     def medians(self) -> list[float]:
         return [statistics.median(self.steps[b]) for b in self.batch_sizes]
+
+    def quantiles(self, q: float) -> list[float]:
+        """The q-quantile of the steps timed at each batch size (`Timings.quantile`)."""
+        return [Timings(self.steps[b]).quantile(q) for b in self.batch_sizes]
+
+    def timing_warnings(self) -> dict[str, str]:
+        """Each batch size whose steps spread too wide to trust their median
+        (`kit.measure.timing.spread_warning`), by "label, batch B"."""
+        found = {f"{self.label}, batch {b}": spread_warning(self.steps[b])
+                 for b in self.batch_sizes}
+        return {k: v for k, v in found.items() if v}
 
     @property
     def floor_medians(self) -> list[float]:

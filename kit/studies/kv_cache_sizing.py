@@ -14,7 +14,7 @@ from kit.engine.budget import MemoryBudget, estimate_activation_bytes, weights_b
 from kit.engine.kv_cache import (KVCacheConfig, KVCacheLayout, device_label, in_flight_tokens,
                                  kv_cache_config, too_few_states)
 from kit.errors import ConfigError
-from kit.units import Bytes, Count, GiB, Ratio
+from kit.units import Bytes, Count, GiB, Ratio, fmt_memory
 
 # The calculator's layer patterns: every n-th layer full attention, the rest sliding (0: the
 # model's own layers, 1: every layer full, None: every layer sliding).
@@ -140,22 +140,50 @@ class Calculation:
                                                 self.config.in_flight_tokens)
         return max(0, need - self.budget.kv_cache_bytes)
 
-    def fit_advice(self) -> str | None:
-        """When the KV cache cannot hold one request of max_model_len: by how much, and the
-        device memory that would (at this gpu_memory_utilization); None when it can."""
+    @property
+    def needed_capacity_bytes(self) -> int:
+        """The device memory whose budget, at this gpu_memory_utilization, holds the weights,
+        the activations and one request of max_model_len."""
+        b = self.budget
+        return math.ceil((b.budget_bytes + self.missing_bytes) / b.gpu_memory_utilization)
+
+    def fit_advice(self, fixes: list[dict] | None = None, most_memory: int | None = None
+                   ) -> str | None:
+        """When the KV cache cannot hold one request of max_model_len: by how much, and what
+        would (None when it can). `fixes` (`Calculator.fixes`): the settings within the
+        controls' reach that fit, named instead of a generic list; `most_memory`: the most
+        device memory the controls reach."""
         short = self.missing_bytes
         if not short:
             return None
-        b = self.budget
-        capacity = math.ceil((b.non_kv_cache_bytes + b.kv_cache_bytes + short) /
-                             b.gpu_memory_utilization)
-        return (f"Does not fit: weights {b.weights_bytes / GiB:,.2f} GiB + activations "
+        b, need = self.budget, self.needed_capacity_bytes / GiB
+        head = (f"Does not fit: weights {b.weights_bytes / GiB:,.2f} GiB + activations "
                 f"{b.activation_bytes / GiB:,.2f} GiB leave "
                 f"{max(0, b.kv_cache_bytes) / GiB:,.2f} GiB of the {b.budget_bytes / GiB:,.2f} "
                 f"GiB budget (capacity × gpu_memory_utilization), {short / GiB:,.2f} GiB short "
-                f"of one {self.config.max_model_len:,}-token request. Give device_memory at "
-                f"least {capacity / GiB:,.2f} GiB, or raise gpu_memory_utilization or "
-                "tensor_parallel_size, or lower max_model_len.")
+                f"of one {self.config.max_model_len:,}-token request.")
+        if fixes is None:
+            return (f"{head} Give device_memory at least {need:,.2f} GiB, or raise "
+                    "gpu_memory_utilization or tensor_parallel_size, or lower max_model_len.")
+        beyond = (f", more than the controls reach ({fmt_memory(most_memory)})"
+                  if most_memory and need * GiB > most_memory else "")
+        head += f" At these settings it needs device_memory {need:,.2f} GiB{beyond}."
+        if not fixes:
+            return (f"{head} Within the controls' reach no knob alone makes it fit, nor "
+                    "tensor_parallel_size with device_memory.")
+        return f"{head} Any one of these fits it: " + "; ".join(map(fix_text, fixes)) + "."
+
+
+def fix_text(fix: dict) -> str:
+    """One of `Calculator.fixes` as the controls name it: `device_memory 16 GiB`."""
+    return " with ".join(f"device_memory {fmt_memory(v)}" if k == "capacity_bytes"
+                         else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v:g}"
+                         for k, v in fix.items())
+
+
+# The direction in which each knob gives the KV cache more room.
+MORE_ROOM = {"capacity_bytes": 1, "gpu_memory_utilization": 1, "tensor_parallel_size": 1,
+             "max_model_len": -1}
 
 
 def calculate(settings: Settings, measured_activation_bytes: int, model: str | None = None, *,
@@ -202,15 +230,34 @@ class Calculator:
                 return gib * GiB
         return None
 
+    def fixes(self, knobs: dict, reachable: dict[str, list]) -> list[dict]:
+        """What makes one request of max_model_len fit at `knobs` (the full set, memory
+        included), within `reachable` (knob -> the values its control reaches): for each
+        knob alone the nearest value that does; when none does, the least
+        tensor_parallel_size that does with the least memory."""
+        found = [f for name in reachable if name in MORE_ROOM
+                 and (f := self.nearest_fix(knobs, name, reachable[name]))]
+        if found or "capacity_bytes" not in reachable:
+            return found
+        for tp in sorted(t for t in reachable.get("tensor_parallel_size", ())
+                         if t > knobs["tensor_parallel_size"]):
+            memory = self.nearest_fix({**knobs, "tensor_parallel_size": tp}, "capacity_bytes",
+                                      reachable["capacity_bytes"])
+            if memory:
+                return [{"tensor_parallel_size": tp, **memory}]
+        return []
 
-def calculate_for_settings(settings: Settings, capacity: int,
-                           measured_activation_bytes: int) -> Calculation:
-    """The calculator at the settings' own knobs (what the chapter's static figure shows)."""
-    return calculate(settings, measured_activation_bytes, capacity_bytes=capacity,
-                     gpu_memory_utilization=settings.gpu_memory_utilization,
-                     block_size=settings.block_size, kv_cache_dtype=settings.kv_cache_dtype,
-                     max_model_len=settings.max_model_len,
-                     tensor_parallel_size=settings.tensor_parallel_size)
+    def nearest_fix(self, knobs: dict, name: str, values: list) -> dict | None:
+        """{name: the value nearest knobs[name], among `values`, that fits}, or None."""
+        sign = MORE_ROOM[name]
+        for value in sorted((v for v in values if (v - knobs[name]) * sign > 0),
+                            key=lambda v: v * sign):
+            try:
+                if not self(**{**knobs, name: value}).missing_bytes:
+                    return {name: value}
+            except ValueError:  # e.g. a tensor_parallel_size that does not divide the heads
+                continue
+        return None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
-from kit.measure.timing import StepClock, Timings
+from kit.measure.timing import StepClock, Timings, spread_warning
 from kit.units import Count, Seconds
 
 STEPS = 4  # decode steps timed per round
@@ -42,6 +42,13 @@ class ContextCurve:
     @property
     def medians(self) -> list[float]:
         return [statistics.median(self.steps[n]) for n in self.lengths]
+
+    def timing_warnings(self) -> dict[str, str]:
+        """Each context length whose steps spread too wide to trust their median
+        (`kit.measure.timing.spread_warning`), by "label, N tokens"."""
+        found = {f"{self.label}, {n:,} tokens": spread_warning(self.steps[n])
+                 for n in self.lengths}
+        return {k: v for k, v in found.items() if v}
 
     def quantiles(self, q: float) -> list[float]:
         """The q-quantile of the steps timed at each length (`Timings.quantile`)."""
