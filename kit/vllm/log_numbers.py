@@ -297,7 +297,8 @@ def weights_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced 
 
 def budget_numbers(ex: Explained, per_block: int, rule: str) -> list[Reproduced | None]:
     """The profiling line's arithmetic (vLLM before about 0.10 logs every term):
-    capacity × utilization = requested; requested − weights − non-torch − activations = KV."""
+    capacity × utilization = requested; requested − weights − non-torch − activations = the
+    KV cache."""
     n, out = ex.log.numbers, []
     if "requested_gib" in n and "total_gpu_gib" in n:
         util, requested = n["requested_gib"]
@@ -363,7 +364,8 @@ def hybrid_numbers(ex: Explained, per_block: int, rule: str) -> list[Reproduced 
     out = []
     logged = ex.log.numbers.get("attention_block_size")
     if logged:
-        out.append(Reproduced("attention_block_size", "the attention block, enlarged", logged[0].text,
+        out.append(Reproduced("attention_block_size", "the attention block, enlarged",
+                              logged[0].text,
                           f"{block}", block == int(logged[0].value),
                           f"a Mamba state of {mamba:,} B over {attn:,} B per attention token, "
                           f"rounded up to the {ex.run.device} backend's multiple of {align}",
@@ -445,5 +447,5 @@ def blocks_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced |
                    None if ok else block_cost_reason(ex, per_block, got[0].value))]
 
 
-NUMBERS = (blocks_number, tokens_number, concurrency_number, memory_number, weights_number, budget_numbers,
-           cudagraph_numbers, hybrid_numbers, padding_number, refusal_numbers)
+NUMBERS = (blocks_number, tokens_number, concurrency_number, memory_number, weights_number,
+           budget_numbers, cudagraph_numbers, hybrid_numbers, padding_number, refusal_numbers)
