@@ -183,3 +183,15 @@ def warnings_of(items, machine: str | None = None) -> dict[str, str]:
     for item in items:
         found.update(item.timing_warnings())
     return found
+
+
+def steps_warnings(steps: dict[str, list[float]], threads: int) -> dict[str, str]:
+    """What is not to be trusted among timed steps, by name: the machine, when its load as the
+    timed runs end says other work shared the CPU (`load_warning`), and each name whose steps
+    spread wider than half their median (`spread_warning`). Empty: they can be compared."""
+    import os
+    machine = load_warning({"after": os.getloadavg()}, threads)
+    found = {"the machine": machine} if machine else {}
+    found.update({name: why for name, seconds in steps.items()
+                  if seconds and (why := spread_warning(seconds))})
+    return found

@@ -404,23 +404,6 @@ def decode_comparison(kit_decodes: dict, runs: dict) -> list[DecodeComparison]:
     return out
 
 
-def timing_warnings(kit_decodes: dict, runs: dict, threads: int) -> dict[str, str]:
-    """What the chapter does not trust among its step timings, by name: each side's steps
-    per mode whose p10-p90 spread is wider than half their median (`spread_warning`), and the
-    machine, when its load as the timed runs end says other work shared the CPU
-    (`load_warning`). Empty: the timings can be compared."""
-    import os
-    from kit.measure.timing import load_warning, spread_warning
-    machine = load_warning({"after": os.getloadavg()}, threads)
-    found = {"the machine": machine} if machine else {}
-    for side, steps in [*((f"kit {m}", k.step_seconds) for m, k in kit_decodes.items()),
-                        *((f"vLLM {m}", r.decode_step_seconds) for m, r in runs.items())]:
-        why = spread_warning(steps) if steps else None
-        if why:
-            found[side] = why
-    return found
-
-
 def best_ratio(comparisons: list[DecodeComparison], end_to_end: bool = False) -> float | None:
     """The kit's best step over vLLM's best step (the target: at most 1.0); with
     `end_to_end`, the best whole generation over vLLM's best."""

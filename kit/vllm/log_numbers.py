@@ -118,15 +118,11 @@ def explain(log: StartupLog, model: str | None = None, given: dict | None = None
             "vLLM's default" and any(n.agrees is False for n in ex.numbers):
         off = explained_run(log, logged_run(log, model, {**(given or {}),
                                                          "enable_prefix_caching": False}))
-        if agreeing(off) > agreeing(ex):
+        if sum(bool(n.agrees) for n in off.numbers) > sum(bool(n.agrees) for n in ex.numbers):
             off.run.source["enable_prefix_caching"] = ("off: only so do the log's numbers "
                                                        "agree (older vLLM ran hybrids so)")
             return off
     return ex
-
-
-def agreeing(ex: Explained) -> int:
-    return sum(bool(n.agrees) for n in ex.numbers)
 
 
 def explained_run(log: StartupLog, run: LoggedRun) -> Explained:
