@@ -187,6 +187,19 @@ class Comparison:
                 "plans": self.rows()}
 
 
+def timing_warnings(comparison: Comparison, threads: int) -> dict[str, str]:
+    """What the chapter does not trust among its per-call times, by plan: the machine, when
+    its load says other work shared the CPU, and each plan whose rounds' quickest calls spread
+    (p10 to p90) wider than half their median (`kit.measure.timing`)."""
+    from kit.measure.timing import NOISY_SPREAD, steps_warnings
+    found = steps_warnings({}, threads)
+    for r in comparison.results.values():
+        if r.forward_seconds and (r.forward_spread or 0) > NOISY_SPREAD * r.forward_seconds:
+            found[r.name] = (f"p10–p90 of the rounds' quickest calls {r.forward_spread * 1e6:,.0f}"
+                             f" µs wide around a {r.forward_seconds * 1e6:,.0f} µs median")
+    return found
+
+
 class _Bench:
     """The shared state of one comparison: model, inputs, eager references."""
 
