@@ -212,3 +212,22 @@ def test_a_hybrids_prefix_caching_read_off_its_numbers(tmp_path):
     assert ex.run.settings["enable_prefix_caching"] is False
     assert ex.run.source["enable_prefix_caching"].startswith("off: only so")
     assert ex.sizing.num_blocks == 1487 and f"{ex.sizing.max_concurrency:.2f}" == "33.04"
+
+
+@pytest.mark.vllm
+def test_the_cuda_graphs_estimate_and_every_padding_line(tmp_path):
+    """vLLM #46462 (Qwen3.6-35B-A3B with a DFlash drafter, A800): both padding lines are read
+    (6.67% and 60.00%), neither is the config's own (the drafter's layers are not in it), the
+    CUDA-graph line implies the device's capacity (6.24 GiB ÷ (0.62 − 0.5413)), and turning the
+    estimate off is a what-if row with the memory it frees."""
+    from kit.studies import your_vllm
+    log, model, given = public_case("qwen36-35b-a3b-fp8-dflash-a800", tmp_path)
+    ex = your_vllm.explain(log, model, given)
+    padding = ex.number("padding_layers")
+    assert padding.logged == "2 layers, 6.67%; 6 layers, 60.00%" and padding.agrees is False
+    equivalent = ex.number("equivalent_utilization")
+    assert equivalent.agrees is None and "capacity of 79.29 GiB" in equivalent.how
+    rows = {r.change: r for r in your_vllm.what_if(ex)}
+    off = rows["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0"]
+    assert off.max_concurrency > rows["as logged"].max_concurrency
+    assert any("0.5413" in p for p in your_vllm.pitfalls(ex))

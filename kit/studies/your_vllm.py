@@ -112,9 +112,10 @@ def padding_pitfall(ex: Explained) -> str | None:
     got = ex.log.numbers.get("padding_layers")
     if not got:
         return None
-    return (f"{got[0].text} padding layers: vLLM groups the layers by kind in groups of equal "
-            f"size and pads the short one, so up to {got[1].text}% of the KV cache's memory "
-            "can hold nothing.")
+    worst = max(got[1::2], key=lambda x: x.value)
+    return (f"Padding layers ({', '.join(n.text for n in got[::2])}): vLLM groups the layers by "
+            f"kind in groups of equal size and pads the short ones, so up to {worst.text}% of "
+            "a kind's KV cache memory can hold nothing.")
 
 
 def states_pitfall(ex: Explained) -> str | None:
@@ -124,9 +125,11 @@ def states_pitfall(ex: Explained) -> str | None:
                                             hybrid_pages(ex.sizer.specs) else None)
     if blocks is None or seqs <= blocks:
         return None
-    return (f"max_num_seqs={seqs:,} is above the {blocks:,} Mamba state blocks: every decoding "
-            f"sequence holds one, so vLLM refuses to capture CUDA graphs for them. Lower "
-            f"max_num_seqs to {blocks:,} or fewer, or give the cache more memory.")
+    default = " (vLLM's default: the log does not state it)" \
+        if ex.run.source.get("max_num_seqs") == "vLLM's default" else ""
+    return (f"max_num_seqs={seqs:,}{default} is above the {blocks:,} Mamba state blocks: every "
+            f"decoding sequence holds one, so vLLM refuses to capture CUDA graphs for them. "
+            f"Lower max_num_seqs to {blocks:,} or fewer, or give the cache more memory.")
 
 
 def graphs_pitfall(ex: Explained) -> str | None:

@@ -378,20 +378,24 @@ def hybrid_numbers(ex: Explained, per_block: int, rule: str) -> list[Reproduced 
 
 
 def padding_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced | None]:
-    logged = ex.log.numbers.get("padding_layers")
-    if not logged or ex.sizing is None:
+    """vLLM's padding lines (one for each kind of layer it pads) against those its grouping
+    logs for the config's layers."""
+    got = ex.log.numbers.get("padding_layers")
+    if not got or ex.sizing is None:
         return []
     records: list = []
     size_at(ex.sizer, ex.run, ex.sizing.num_blocks * per_block, records)
-    ours = next((r.getMessage() for r in records if "padding layers" in r.getMessage()), None)
-    m = re.search(r"Add (\d+) padding layers, may waste at most ([\d.]+)%", ours or "")
-    kit = f"{m.group(1)} layers, {m.group(2)}%" if m else "none"
-    ok = bool(m) and int(m.group(1)) == int(logged[0].value) and m.group(2) == logged[1].text
-    return [Reproduced("padding_layers", "padding layers", f"{logged[0].text} layers, "
-                   f"{logged[1].text}%", kit, ok, "vLLM's grouping of the layers by kind "
-                   "(groups as large as the smallest kind's count; the others padded)",
-                   None if ok else "the engine's layers differ from the config's: a speculative "
-                   "drafter (speculative_config) or another tower adds layers of one kind")]
+    ours = re.findall(r"Add (\d+) padding layers, may waste at most ([\d.]+)%",
+                      " ".join(r.getMessage() for r in records))
+    theirs = [(got[i].text, got[i + 1].text) for i in range(0, len(got), 2)]
+    text = "; ".join(f"{n} layers, {pct}%" for n, pct in theirs)
+    ok = sorted(ours) == sorted(theirs)
+    return [Reproduced("padding_layers", "padding layers", text,
+                       "; ".join(f"{n} layers, {pct}%" for n, pct in ours) or "none", ok,
+                       "vLLM's grouping of the layers by kind (groups as large as the smallest "
+                       "kind's count; the others padded)",
+                       None if ok else "the engine's layers differ from the config's: a "
+                       "speculative drafter (speculative_config) or another tower adds layers")]
 
 
 def states_number(ex: Explained, per_block: int) -> Reproduced:

@@ -61,6 +61,7 @@ LINES = {
                      r"max seq len \(" + NUM + r"\), \(" + GIB + r" KV cache is needed, which is "
                      r"larger than the available KV cache memory \(" + GIB + r"\)"),
 }
+REPEATED = {"padding_layers"}  # logged once for each kind of layer it pads
 VERSION = re.compile(r"(?:V1 LLM engine \(v|vLLM API server version |vLLM version )"
                      r"(\d+\.\d+\.\d+[\w.+-]*)")
 ARGS = re.compile(r"non-default args: (\{.*\})")
@@ -150,7 +151,9 @@ def engine_settings(text: str) -> dict:
 def read_line(log: StartupLog, line: str) -> None:
     for key, (_, pattern) in LINES.items():
         m = re.search(pattern, line)
-        if m and key not in log.numbers:  # the first of a repeated line (one engine per log)
+        if m and key in REPEATED:  # one line per kind of layer: every one kept
+            log.numbers.setdefault(key, []).extend(logged(g, line) for g in m.groups())
+        elif m and key not in log.numbers:  # the first of a repeated line (one engine a log)
             log.numbers[key] = [logged(g, line) for g in m.groups()]
             if key == "kv_cache_tokens":
                 log.device = re.search(r"(\w+)(?: \+ host)? KV cache size", line).group(1)
