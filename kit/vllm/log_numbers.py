@@ -12,7 +12,7 @@ from kit.units import GiB
 from kit.vllm.kv_sizing import VLLMKVSizing, VLLMSizer
 from kit.vllm.logged_run import (ALIGNMENTS, LoggedRun, align_to_logged_block, aligned_block,
                                  budget_bounds, build_sizer, hybrid_pages, logged_run,
-                                 pool_block_bytes, size_at)
+                                 pool_block_bytes, size_at, weight_bytes)
 from kit.vllm.startup_log import StartupLog, version_tuple
 
 NEW_TOKENS_RULE = (0, 24)  # "KV cache size" = concurrency × max_model_len by here (0.19 not)
@@ -250,19 +250,6 @@ def memory_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced |
            "short of one more block unused)")
     return [Reproduced(key, "the KV cache's memory", logged.text, gib(lo), ok, how,
                    None if ok else "the log's tokens need more or fewer blocks than this memory")]
-
-
-def weight_bytes(run: LoggedRun) -> int | None:
-    """The weights one rank loads, counted from the config's shapes at the served dtype (split
-    over the tensor-parallel ranks), or None where the kit does not count the family."""
-    from kit.config import DTYPE_BYTES, ModelConfig
-    try:
-        arch = ModelConfig.from_dict(run.config, run.model)
-        count = arch.num_parameters()
-    except Exception:  # noqa: BLE001: a family the kit sizes without counting
-        return None
-    return count * DTYPE_BYTES.get(str(run.settings["dtype"]), 2) // int(
-        run.settings["tensor_parallel_size"])
 
 
 def weights_number(ex: Explained, per_block: int, rule: str) -> list[Reproduced | None]:

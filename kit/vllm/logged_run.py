@@ -246,3 +246,16 @@ def longest_that_fits(sizer: VLLMSizer, run: LoggedRun, budget: int) -> int | No
         else:
             lo = mid
     return lo * step or None
+
+
+def weight_bytes(run: LoggedRun) -> int | None:
+    """The weights one rank loads, counted from the config's shapes at the served dtype (split
+    over the tensor-parallel ranks), or None where the kit does not count the family."""
+    from kit.config import DTYPE_BYTES, ModelConfig
+    try:
+        arch = ModelConfig.from_dict(run.config, run.model)
+        count = arch.num_parameters()
+    except Exception:  # noqa: BLE001: a family the kit sizes without counting
+        return None
+    return count * DTYPE_BYTES.get(str(run.settings["dtype"]), 2) // int(
+        run.settings["tensor_parallel_size"])
