@@ -26,7 +26,7 @@ _SESSION_STARTED = pytest.StashKey[float]()
 # building its own (test_vllm's grid of vLLM sizings, about 20 s; test_memory's profiles).
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
                 "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
-                "engines": "vllm_engines", "profiles": "memory_profiles"}
+                "engines": "vllm_engines", "profiles": "memory_profiles", "moe_step": "moe_step"}
 
 
 @pytest.hookimpl(optionalhook=True)
