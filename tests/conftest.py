@@ -23,7 +23,8 @@ _SESSION_STARTED = pytest.StashKey[float]()
 # one group, everything that starts Ray in another (the cluster test's `ray stop --force` ends
 # every Ray instance on the machine, another worker's included). Tests that share an expensive
 # module-scoped fixture go to one worker as well, which builds it once instead of each worker
-# building its own (test_vllm's grid of vLLM sizings, about 20 s; test_memory's profiles).
+# building its own (test_vllm's grid of vLLM sizings, about 70 CPU s; test_memory's profiles;
+# the compiled steps test_decode's gqa_runs and test_experts_decode's moe_step share).
 XDIST_GROUPS = {"cpu_small_run": "runs", "not_ready_run": "runs", "chapter02_sweep": "ray",
                 "ray_cluster": "ray", "published": "vllm_published", "grid": "vllm_published",
                 "engines": "vllm_engines", "profiles": "memory_profiles", "moe_step": "moe_step",
