@@ -389,8 +389,26 @@ def test_a_profiled_step_splits_into_parts_that_add_up():
     assert list(batch.allocator.num_computed_tokens.values()) == [n + 3 for n in LENGTHS]  # real steps
 
 
+@pytest.fixture(scope="module")
+def gqa_runs():
+    """gqa's paged run per dtype (model, prompts, batch), each built once, and one
+    `CompiledGraphs` for the tests that compile its decode step on it: a frozen step, which
+    Inductor's cache cannot hold, is compiled by the first of them and taken by the others
+    whose Dynamo traces the same graph of the same shapes and weights (a trace of other
+    shapes compiles its own). conftest's XDIST_GROUPS keeps these tests in one worker."""
+    from kit.engine.runners import CompiledGraphs
+    runs, shared = {}, CompiledGraphs()
+
+    def run_of(dtype):
+        if dtype not in runs:
+            runs[dtype] = paged_run(ARCHS["gqa"], dtype)[:3]
+        return runs[dtype]
+    yield run_of, shared
+    shared.clear()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
+def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(gqa_runs, dtype):
     """Chapter 04's compiled step on the CPU multiplies by weights Inductor prepacked for oneDNN
     (mkldnn::_linear_pointwise) in both dtypes, never by MKL's packed GEMM (mkl::_mkl_linear),
     which Inductor picks for float32 when the batch is fixed; and its logits still equal the
@@ -400,9 +418,9 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
 
     from kit.engine.decode_runners import decode_runner
     from kit.measure.device import onednn_has_kernels
-    a = ARCHS["gqa"]
-    model, prompts, batch, _ = paged_run(a, dtype)
-    runner = decode_runner(model, batch, prompts, "guard_free")
+    run_of, shared = gqa_runs
+    model, prompts, batch = run_of(dtype)
+    runner = decode_runner(model, batch, prompts, "guard_free", shared=shared)
     emulated = dtype == "bfloat16" and not onednn_has_kernels(torch.bfloat16)
     assert model.matmul_dtype == (torch.float32 if emulated else None)
     with profile() as prof:
@@ -415,32 +433,33 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(dtype):
     assert result.ok, result.errors
 
 
-def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner():
+def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner(gqa_runs):
     """Dynamo remembers the sizes a function saw by its file, line and name, which every
     runner's copy of the step shares: a runner built after one for a batch of other shapes
     must still compile its own shapes (made dynamic behind its back, a bf16 step's logits were
     off the reference by 60-80%)."""
     from kit.engine.decode_runners import decode_runner
+    run_of, shared = gqa_runs
     model, prompts, batch, _ = paged_run(ARCHS["gqa"], "float32", [20, 33, 40], block_size=32)
     decode_runner(model, batch, prompts, "guard_free").discard()
-    model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
-    runner = decode_runner(model, batch, prompts, "guard_free")
+    model, prompts, batch = run_of("bfloat16")
+    runner = decode_runner(model, batch, prompts, "guard_free", shared=shared)
     run = generate(model, batch, prompts, STEPS, step=runner)
     runner.discard()
     result = check_against_no_cache(model, prompts, run, "bfloat16")
     assert result.ok, result.errors
 
 
-def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph():
+def test_the_compiled_prefill_serves_every_prompt_length_with_one_graph(gqa_runs):
     """The CPU's compiled prefill (guard-free, weights frozen, the prompts' number and length
     dynamic), built on the batch's first group of prompts, serves the groups of the other
     lengths without compiling again (a recompile would be an error), and a run through it
     equals the no-cache reference at the prefill and at every step."""
     from kit.engine.decode_runners import decode_runner, prefill_runner
-    a = ARCHS["gqa"]
-    model, prompts, batch, _ = paged_run(a, "float32")
+    run_of, shared = gqa_runs
+    model, prompts, batch = run_of("float32")
     prefill = prefill_runner(model, batch, prompts)
-    runner = decode_runner(model, batch, prompts, "guard_free", prefill)
+    runner = decode_runner(model, batch, prompts, "guard_free", prefill, shared=shared)
     run = generate(model, batch, prompts, STEPS, step=runner, prefill=prefill)
     assert len(set(LENGTHS)) == 4 and prefill.graphs_compiled == 1
     result = check_against_no_cache(model, prompts, run, "float32")

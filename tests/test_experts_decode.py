@@ -91,17 +91,32 @@ def test_the_recorder_sees_each_layers_routing_and_changes_nothing():
     assert result.ok, result.errors
 
 
-@pytest.mark.parametrize("strategy", ["stock", "guard_free", "bytecode_hook"])
-def test_every_strategys_moe_step_equals_eager_with_one_graph(strategy):
-    """The compiled step through the router and grouped experts, its routing changing step by
-    step, equals the eager step and the no-cache reference, with one graph (stock keeps its
-    guards: a routing that recompiled would show; fullgraph=True: a break would raise)."""
-    from kit.engine.decode_runners import decode_runner
+@pytest.fixture(scope="module")
+def moe_step():
+    """One 1-layer MoE model, its batch and its eager run, shared by the three strategies'
+    tests with one `CompiledGraphs`, as chapter 04 shares them: the strategies differ in how a
+    call reaches the compiled code, not in the code, so the first test's runner compiles the
+    frozen step (which Inductor's cache cannot hold) and the others take its graph, each still
+    tracing it with Dynamo (fullgraph, its own guards). conftest's XDIST_GROUPS keeps the tests
+    in one worker, which builds this once."""
+    from kit.engine.runners import CompiledGraphs
     a = moe_arch(layers=1)
     prompts = make_prompts([3, 5, 9], a.vocab_size, seed=1)
     model, batch = run_of(a, prompts)
     picks, eager = record_picks(model, batch, prompts, 5, keep_logits=True)
-    runner = decode_runner(model, batch, prompts, strategy)
+    shared = CompiledGraphs()
+    yield model, batch, prompts, picks, eager, shared
+    shared.clear()
+
+
+@pytest.mark.parametrize("strategy", ["stock", "guard_free", "bytecode_hook"])
+def test_every_strategys_moe_step_equals_eager_with_one_graph(moe_step, strategy):
+    """The compiled step through the router and grouped experts, its routing changing step by
+    step, equals the eager step and the no-cache reference, with one graph (stock keeps its
+    guards: a routing that recompiled would show; fullgraph=True: a break would raise)."""
+    from kit.engine.decode_runners import decode_runner
+    model, batch, prompts, picks, eager, shared = moe_step
+    runner = decode_runner(model, batch, prompts, strategy, shared=shared)
     run = generate(model, batch, prompts, 5, step=runner)
     runner.discard()
     assert len(set(picks.steps[i][0] for i in range(5))) > 1

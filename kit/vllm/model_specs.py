@@ -9,6 +9,7 @@ caches the answer on disk), then some 20-400 ms per model."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 
 
@@ -50,10 +51,25 @@ def build_on_meta(vllm_config) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config), no_reload_metadata():
         init_single_rank(vllm_config)
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"):
             initialize_model(vllm_config=vllm_config)
+
+
+@contextmanager
+def no_reload_metadata():
+    """`initialize_model` without `record_metadata_for_reloading`: vLLM copies every layer's
+    parameters to meta tensors so that a loaded model can later reload its weights layer by
+    layer; a meta model that never loads any has no use for them, and the copying was a
+    quarter of a build's time (a grid's 18 builds of two models, 7.6 s of which 3.4 s)."""
+    from vllm.model_executor.model_loader import utils
+    recorded = utils.record_metadata_for_reloading
+    utils.record_metadata_for_reloading = lambda model: None
+    try:
+        yield
+    finally:
+        utils.record_metadata_for_reloading = recorded
 
 
 def collect_specs(vllm_config) -> dict:
