@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kit.errors import ConfigError
-from kit.units import GiB
+from kit.units import Bytes, Count, GiB, Ratio
 from kit.vllm.log_numbers import Explained, explain, tokens_rule, total_memory
 from kit.vllm.logged_run import (budget_bounds, build_sizer, hybrid_pages, longest_that_fits,
                                  pool_block_bytes, size_at)
@@ -294,3 +294,14 @@ def document(ex: Explained, target: tuple[int, int] | None = None) -> dict:
             "numbers": [n.as_dict() for n in ex.numbers], "pitfalls": pitfalls(ex),
             "groups": groups_table(ex), "budget_gib": dict(waterfall(ex)),
             "what_if": [r.__dict__ for r in what_if(ex, target)]}
+
+
+def with_units(doc: dict) -> dict:
+    """The document's budget, groups and what-if rows with each number typed (`kit.units`),
+    as chapter 06 records them."""
+    return {"budget_bytes": {k: Bytes(round(v * GiB)) for k, v in doc["budget_gib"].items()
+                             if v is not None},
+            "groups": [Count.of(row) for row in doc["groups"]],
+            "what_if": [{**r, "tokens": Count.of(r["tokens"]),
+                         "max_concurrency": Ratio.of(r["max_concurrency"]),
+                         "max_model_len": Count(r["max_model_len"])} for r in doc["what_if"]]}
