@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kit.config import ModelConfig, Settings, reference, with_layer_pattern
-from kit.engine.block_manager import GroupedBlockTables, OutOfBlocks
+from kit.engine.block_manager import GroupedBlockTables
 from kit.engine.budget import MemoryBudget, estimate_activation_bytes, weights_budget
 from kit.engine.kv_cache import (KVCacheConfig, KVCacheLayout, device_label, in_flight_tokens,
                                  kv_cache_config, too_few_states)
