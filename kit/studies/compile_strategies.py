@@ -190,7 +190,7 @@ class Comparison:
 def timing_warnings(comparison: Comparison, threads: int) -> dict[str, str]:
     """What the chapter does not trust among its per-call times, by plan: the machine, when
     its load says other work shared the CPU, and each plan whose rounds' quickest calls spread
-    (p10 to p90) wider than half their median (`kit.measure.timing`)."""
+    (p10 to p90) wider than 1.5 medians (`kit.measure.timing`)."""
     from kit.measure.timing import NOISY_SPREAD, steps_warnings
     found = steps_warnings({}, threads)
     for r in comparison.results.values():
