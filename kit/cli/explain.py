@@ -4,7 +4,6 @@ with whether it agrees with the log, the pitfalls the log shows and a what-if ta
 (`kit.vllm.log_numbers`, `kit.studies.your_vllm`). `--json` prints the same as one JSON document."""
 from __future__ import annotations
 
-import ast
 import json
 
 from kit.errors import ConfigError
@@ -15,18 +14,15 @@ SET_NAMES = ("max_model_len", "block_size", "dtype", "kv_cache_dtype", "tensor_p
 
 
 def given_settings(pairs: list[str]) -> dict:
-    """`--set name=value` pairs: only the settings that size a KV cache."""
-    out = {}
+    """`--set name=value` pairs (values read as `kit run -p` reads them): only the settings
+    that size a KV cache."""
+    from kit.execute.notebooks import parse_params
     for pair in pairs:
-        name, sep, value = pair.partition("=")
+        name, sep, _ = pair.partition("=")
         if not sep or name not in SET_NAMES:
             raise ConfigError(f"--set {pair!r}: give name=value, the name one of "
                               f"{', '.join(SET_NAMES)}")
-        try:
-            out[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[name] = value
-    return out
+    return parse_params(pairs)
 
 
 def text_lines(doc: dict) -> list[str]:

@@ -10,7 +10,7 @@ from kit.errors import ConfigError
 from kit.units import Bytes, Count, GiB, Ratio
 from kit.vllm.log_numbers import Explained, explain, tokens_rule, total_memory
 from kit.vllm.logged_run import (budget_bounds, build_sizer, hybrid_pages, longest_that_fits,
-                                 pool_block_bytes, size_at)
+                                 size_at)
 from kit.vllm.startup_log import read_log_file
 
 
@@ -33,7 +33,7 @@ def target_of(text: str | None) -> tuple[int, int] | None:
 def kv_bytes(ex: Explained) -> int | None:
     """The KV cache's memory as the log's blocks spend it."""
     s = ex.sizing
-    return s.num_blocks * pool_block_bytes(ex.sizer, ex.run) if s and s.num_blocks else None
+    return s.num_blocks * ex.per_block if s and s.num_blocks else None
 
 
 def groups_table(ex: Explained) -> list[dict]:
@@ -168,7 +168,7 @@ def too_long_pitfall(ex: Explained) -> str | None:
     if not bounds:
         return None
     blocks = ex.log.value("gpu_blocks")  # the blocks themselves, where the log states them
-    budget = int(blocks) * pool_block_bytes(ex.sizer, ex.run) if blocks else bounds[0]
+    budget = int(blocks) * ex.per_block if blocks else bounds[0]
     longest = longest_that_fits(ex.sizer, ex.run, budget)
     if not longest:
         return "max_model_len does not fit: not even one block of it fits the KV cache"

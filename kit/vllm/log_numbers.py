@@ -38,8 +38,8 @@ class Reproduced:
 
 @dataclass
 class Explained:
-    """A log explained: its run, the sizing at the blocks the log's numbers pin, its numbers,
-    and the pitfalls it shows."""
+    """A log explained: its run, the sizing at the blocks the log's numbers pin, and its
+    numbers."""
 
     log: StartupLog
     run: LoggedRun
@@ -47,8 +47,7 @@ class Explained:
     sizing: VLLMKVSizing | None
     blocks: tuple[int, int] | None  # the blocks the log's memory allows (lowest, highest)
     numbers: list[Reproduced] = field(default_factory=list)
-    pitfalls: list[str] = field(default_factory=list)
-    build_lines: list[str] = field(default_factory=list)  # what vLLM logged building the specs
+    per_block: int = 0  # what one block id costs in the pool the groups share
 
     def number(self, key: str) -> Reproduced | None:
         return next((n for n in self.numbers if n.key == key), None)
@@ -127,8 +126,7 @@ def explain(log: StartupLog, model: str | None = None, given: dict | None = None
 
 def explained_run(log: StartupLog, run: LoggedRun) -> Explained:
     """`explain` for one reading of the log's settings (`run`)."""
-    records: list = []
-    sizer = build_sizer(run, records)
+    sizer = build_sizer(run)
     pages = hybrid_pages(sizer.specs)
     if pages:  # the log's attention block, or the one its device's backend would pick
         block = log.value("attention_block_size") or aligned_block(
@@ -141,7 +139,7 @@ def explained_run(log: StartupLog, run: LoggedRun) -> Explained:
         blocks = (bounds[0] // per_block, bounds[1] // per_block)
     rule = tokens_rule(log)
     ex = Explained(log, run, sizer, pinned_sizing(log, sizer, run, per_block, rule, blocks),
-                   blocks, build_lines=[r.getMessage() for r in records])
+                   blocks, per_block=per_block)
     for make in NUMBERS:
         ex.numbers.extend(n for n in make(ex, per_block, rule) if n is not None)
     return ex

@@ -169,8 +169,8 @@ def build_sizer(run: LoggedRun, records: list | None = None) -> VLLMSizer:
 
 def size_at(sizer: VLLMSizer, run: LoggedRun, budget: int, records=None) -> VLLMKVSizing:
     s = run.settings
-    return sizer.size(int(budget), int(s["max_model_len"]),
-                            int(s["max_num_batched_tokens"]), records)
+    return sizer.size(int(budget), int(s["max_model_len"]), int(s["max_num_batched_tokens"]),
+                      records)
 
 
 def budget_bounds(log: StartupLog, run: LoggedRun) -> tuple[int, int] | None:
