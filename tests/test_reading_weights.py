@@ -10,7 +10,7 @@ from torch import nn
 from kit.config import ModelConfig, load
 from kit.engine import huge_pages, model as model_module
 from kit.engine.huge_pages import HUGE_PAGE, SMALLEST, huge_page_mode, on_huge_pages
-from kit.engine.layers import linear as linear_module
+from kit.engine.layers import linear as linear_module, product_choice
 from kit.engine.model import build_model
 
 SMAPS = Path("/proc/self/smaps")
@@ -82,20 +82,44 @@ WIDE = ModelConfig.from_dict({
 
 
 def test_only_large_float32_weights_are_streamed():
-    """`Decoder.stream_products`: on, every float32 CPU weight of STREAMED_BYTES and rows of
-    STREAMED_ROW or more is multiplied in the kernel (WIDE's logits), the rest as before; off,
+    """`Decoder.stream_products`: in a step of at most FEW_ROWS rows, every float32 CPU weight of
+    STREAMED_BYTES and rows of STREAMED_ROW or more is multiplied in the kernel where it was
+    measured quicker here (WIDE's logits), the rest as before; 0 rows or more than FEW_ROWS,
     none; bf16 weights never."""
     model = build_model(WIDE, "float32", "cpu")
-    model.stream_products(True)
+    model.stream_products(4)
     linears = [m for m in model.modules() if isinstance(m, linear_module.Linear)
                and m is not model.lm_head]  # (the logits' product reads `model.few_rows`)
-    assert model.few_rows is (linear_module.library() is not None)
+    quicker = linear_module.library() is not None and \
+        product_choice.measured_choice(4096, 1024, 4).kernel
+    assert model.few_rows is quicker
     assert linears and not any(m.few_rows for m in linears)  # each under 16 MiB
-    model.stream_products(False)
-    assert not model.few_rows
+    for rows in (0, linear_module.FEW_ROWS + 1):
+        model.stream_products(rows)
+        assert not model.few_rows
     bf16 = build_model(WIDE, "bfloat16", "cpu")
-    bf16.stream_products(True)
+    bf16.stream_products(4)
     assert not bf16.few_rows
+
+
+def test_the_quicker_way_is_measured_once_per_shape_and_both_ways_agree():
+    """`product_choice`: oneDNN's packed product (as Inductor's frozen graph calls it) and the
+    kernel, timed interleaved on this CPU; the kernel is chosen exactly when its quickest round
+    beat oneDNN's, a second ask reuses the first measurement, and both ways compute the product."""
+    if linear_module.library() is None:
+        pytest.skip("the kernel did not build here")
+    choice = product_choice.measured_choice(2048, 1024, 3)
+    assert choice.onednn_seconds > 0 and choice.kernel_seconds > 0 and choice.ratio > 0
+    assert choice.kernel is (choice.ratio < 1)
+    assert product_choice.measured_choice(2048, 1024, 3) is choice
+    assert choice in product_choice.measured_choices()
+    assert choice.summary()["runs_in"] == ("kernel" if choice.kernel else "oneDNN")
+    weight, x = torch.randn(2048, 1024), torch.randn(3, 1024)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    torch.testing.assert_close(linear_module.weight_products(x, weight), onednn, rtol=1e-5,
+                               atol=1e-4)
+    torch.testing.assert_close(onednn, x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
 def test_compiled_a_streamed_product_runs_the_kernel_and_equals_f_linear():
@@ -116,9 +140,10 @@ def test_compiled_a_streamed_product_runs_the_kernel_and_equals_f_linear():
     assert torch.equal(step(x), torch.nn.functional.linear(x, weight, bias))  # eager: F.linear
 
 
-def test_a_compiled_decode_step_streams_its_logits_and_equals_the_reference():
-    """The decode runner of a batch of at most FEW_ROWS turns streaming on (the logits' product
-    runs in kit::expert_products) and the step's logits equal the no-cache reference; a prefill
+def test_a_compiled_decode_step_streams_its_logits_and_equals_the_reference(monkeypatch):
+    """The decode runner of a batch of at most FEW_ROWS turns streaming on, here as on a CPU
+    where the kernel was measured quicker at WIDE's logits (the product then runs in
+    kit::expert_products), and the step's logits equal the no-cache reference; a prefill
     runner built after it turns it off."""
     from torch.profiler import profile
     from kit.engine.decode import (batch_for_run, check_against_no_cache, generate,
@@ -127,6 +152,9 @@ def test_a_compiled_decode_step_streams_its_logits_and_equals_the_reference():
     from kit.engine.kv_cache import KVCacheLayout
     if linear_module.library() is None:
         pytest.skip("the kernel did not build here")
+    threads = torch.get_num_threads()
+    monkeypatch.setitem(product_choice._MEASURED, (4096, 1024, 3, threads),
+                        product_choice.ProductChoice(4096, 1024, 3, threads, 2e-3, 1e-3, 0.5))
     model = build_model(WIDE, "float32", "cpu")
     batch = batch_for_run(KVCacheLayout.for_model(WIDE, 16, "float32"), [5, 9, 3], 4, "cpu", 3)
     prompts = make_prompts([5, 9, 3], WIDE.vocab_size, seed=1)

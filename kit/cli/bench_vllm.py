@@ -69,6 +69,7 @@ def bench_vllm(args) -> int:
     """Both sides timed, the table printed, the JSON written; 1 when a side failed (vLLM did
     not start, or the kit's logits left the no-cache reference's tolerance)."""
     from kit.engine.kv_cache import KVCacheLayout
+    from kit.engine.layers.product_choice import measured_choices
     from kit.measure.device import describe, versions
     from kit.show.tables import Table
     from kit.studies import vllm_side_by_side
@@ -105,6 +106,7 @@ def bench_vllm(args) -> int:
                           "generations": k.generations, "prefill_seconds": k.prefill_seconds,
                           "end_to_end_seconds": k.end_to_end_seconds} for m, k in kit.items()},
               "vllm": {m: r.summary() for m, r in runs.items()},
+              "dense_products": [c.summary() for c in measured_choices()],
               "load_average": {"before": load_before, "after": os.getloadavg()}}
     (folder / "result.json").write_text(json.dumps(result, indent=1, default=str))
     print()
@@ -114,6 +116,9 @@ def bench_vllm(args) -> int:
         ratio = result[key]
         print(f"kit's best ÷ vLLM's best, {label}: " + ("n/a" if ratio is None else
               f"{ratio:.2f} (target: at most 1.00)"))
+    for c in measured_choices():
+        print(f"dense product {c.out_features} x {c.in_features} at {c.rows} rows: "
+              f"{c.summary()['runs_in']} (kernel ÷ oneDNN {c.ratio:.2f}, measured here)")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
           "(a shared machine: timings are noisy)")
     print(f"wrote {folder}")

@@ -12,7 +12,6 @@ import torch
 
 from kit.engine.decode import PagedBatch, prefill_function, step_function
 from kit.engine.expert_picks import moe_layers
-from kit.engine.layers.linear import FEW_ROWS
 from kit.engine.model import Decoder
 from kit.engine.runners import CompiledGraphs, Runner, make_runner
 from kit.measure.device import onednn_has_kernels, synchronize
@@ -72,15 +71,16 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     the batch's own tensors, so no padded row ever writes. On the CPU, compiled strategies
     freeze the weights, in float32 where 16-bit products are emulated
     (`compiled_matmul_dtype`), a model with experts then rounding as eager code does
-    (`cpu_inductor_config`); a step of at most FEW_ROWS sequences multiplies its float32
-    weights in the expert kernel (`Decoder.stream_products`). `shared`: the step's compiled
+    (`cpu_inductor_config`); a step of at most `linear.FEW_ROWS` sequences multiplies its large
+    float32 weights in the expert kernel where that was measured quicker on this CPU
+    (`Decoder.stream_products`). `shared`: the step's compiled
     graph, kept for the other strategies on this model and batch (`CompiledGraphs`)."""
     device = batch.kv_cache.device.type
     matmul_dtype = compiled_matmul_dtype(model, device)
     model.multiply_in(matmul_dtype)
     float32 = (matmul_dtype or next(model.parameters()).dtype) == torch.float32
     on_cpu = device == "cpu"
-    model.stream_products(on_cpu and len(prompts) <= FEW_ROWS)
+    model.stream_products(len(prompts) if on_cpu else 0)
     batch.start(model, prompts, prefill)
     batch.make_room()
     runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
@@ -105,7 +105,7 @@ def prefill_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor
         return None
     matmul_dtype = compiled_matmul_dtype(model, device)
     model.multiply_in(matmul_dtype)
-    model.stream_products(False)  # (a decode runner may have set it on this model)
+    model.stream_products(0)  # (a decode runner may have set it on this model)
     model.bind_kv_cache(batch.layout)  # compiled before any run has bound it
     ids = torch.stack([p for p, n in zip(prompts, batch.lengths) if n == batch.lengths[0]])
     slots = torch.arange(ids.numel(), device=device).repeat(len(batch.groups), 1)

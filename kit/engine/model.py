@@ -272,16 +272,16 @@ class Decoder(nn.Module):
             if isinstance(module, (Linear, Experts)):  # the experts: `Experts.one_kernel`
                 module.matmul_dtype = dtype
 
-    def stream_products(self, on: bool) -> None:
+    def stream_products(self, rows: int) -> None:
         """Compiled code multiplies each large float32 CPU weight (`streams`: every `Linear`'s
-        and the logits') in the expert kernel (`on`: a decode step of at most `FEW_ROWS` rows;
-        the decode runner sets it, the prefill's clears it), each weight row read from memory
-        once for all the step's rows, not in Inductor's frozen oneDNN product
-        (`kit.engine.layers.linear`). Eager code is unchanged."""
-        self.few_rows = streams(self.logits_weight, on)
+        and the logits') in the expert kernel where, in a decode step of `rows` rows (the decode
+        runner sets it; 0, the prefill's, clears it), the kernel was measured quicker than
+        Inductor's frozen oneDNN product on this CPU (`kit.engine.layers.product_choice`), each
+        weight row read from memory once for all the step's rows. Eager code is unchanged."""
+        self.few_rows = streams(self.logits_weight, rows)
         for module in self.modules():
             if isinstance(module, Linear):
-                module.few_rows = streams(module.weight, on)
+                module.few_rows = streams(module.weight, rows)
 
 
 @torch.no_grad()

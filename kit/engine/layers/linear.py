@@ -2,9 +2,10 @@
 
 Every product with a weight goes through `linear`, plain `F.linear` but in compiled code after
 `Decoder.multiply_in(torch.float32)`: then 16-bit weights are multiplied in float32, for CPUs
-whose oneDNN has no 16-bit kernels; and after `Decoder.stream_products(True)`, set for a CPU
-decode step of at most FEW_ROWS rows, float32 weights are multiplied in the expert kernel
-(`kit.engine.layers.expert_kernel.weight_products`), each weight row read once for all the rows.
+whose oneDNN has no 16-bit kernels; and after `Decoder.stream_products(rows)`, set for a CPU
+decode step of at most FEW_ROWS rows, a large float32 weight is multiplied in the expert kernel
+(`kit.engine.layers.expert_kernel.weight_products`, each weight row read once for all the rows)
+where that was measured quicker than oneDNN on this CPU (`kit.engine.layers.product_choice`).
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kit.engine.layers.expert_kernel import library, weight_products
+from kit.engine.layers.product_choice import measured_choice
 
-# A decode step's rows up to which its float32 products run in the expert kernel on the CPU. A
-# frozen product (Inductor's oneDNN, the batch a symbol) of 4 and 8 rows took 1.2-1.5x the
-# kernel's time on a 2-core AVX2 EPYC (5120 x 2048 and 16384 x 2048 weights); at 16 rows they
-# tied, and beyond the kernel's one weight row per output row at a time is the slower.
+# A decode step's rows up to which its float32 products may run in the expert kernel on the
+# CPU, where measured quicker (`product_choice`): at 16 rows the kernel and a frozen oneDNN
+# product tied on a 2-core AVX2 EPYC, and beyond, the kernel's few rows a tile are the slower.
 FEW_ROWS = 8
 # The weights it takes: large enough that reading them bounds the product, beside the kernel's
 # cost per call (a Python op), and rows long enough that a task's sums outweigh its overhead.
@@ -25,13 +26,15 @@ FEW_ROWS = 8
 STREAMED_BYTES, STREAMED_ROW = 16 << 20, 1024
 
 
-def streams(weight: torch.Tensor, on: bool) -> bool:
-    """Whether `weight`'s compiled products run in the kernel when a runner asks (`on`): float32
-    on the CPU, of STREAMED_BYTES and rows of STREAMED_ROW numbers or more, where the kernel
-    built (`Decoder.stream_products`)."""
-    return on and weight.dtype == torch.float32 and weight.device.type == "cpu" and \
-        weight.numel() * 4 >= STREAMED_BYTES and weight.shape[-1] >= STREAMED_ROW and \
-        library() is not None
+def streams(weight: torch.Tensor, rows: int) -> bool:
+    """Whether `weight`'s compiled products run in the kernel in a step of `rows` rows (0: a
+    runner that does not ask, `Decoder.stream_products`): float32 on the CPU, of STREAMED_BYTES
+    and rows of STREAMED_ROW numbers or more, at most FEW_ROWS rows, where the kernel built and
+    was measured quicker than oneDNN at this shape and rows (`product_choice`)."""
+    return 0 < rows <= FEW_ROWS and weight.dtype == torch.float32 and \
+        weight.device.type == "cpu" and weight.numel() * 4 >= STREAMED_BYTES and \
+        weight.shape[-1] >= STREAMED_ROW and library() is not None and \
+        measured_choice(*weight.shape, rows).kernel
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, matmul_dtype=None,
