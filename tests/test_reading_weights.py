@@ -105,12 +105,13 @@ def test_only_large_float32_weights_are_streamed():
 def test_the_quicker_way_is_measured_once_per_shape_and_both_ways_agree():
     """`product_choice`: oneDNN's packed product (as Inductor's frozen graph calls it) and the
     kernel, timed interleaved on this CPU; the kernel is chosen exactly when its quickest round
-    beat oneDNN's, a second ask reuses the first measurement, and both ways compute the product."""
+    took at most KERNEL_MARGIN of oneDNN's, a second ask reuses the first measurement, and
+    both ways compute the product."""
     if linear_module.library() is None:
         pytest.skip("the kernel did not build here")
     choice = product_choice.measured_choice(2048, 1024, 3)
     assert choice.onednn_seconds > 0 and choice.kernel_seconds > 0 and choice.ratio > 0
-    assert choice.kernel is (choice.ratio < 1)
+    assert choice.kernel is (choice.ratio <= product_choice.KERNEL_MARGIN)
     assert product_choice.measured_choice(2048, 1024, 3) is choice
     assert choice in product_choice.measured_choices()
     assert choice.summary()["runs_in"] == ("kernel" if choice.kernel else "oneDNN")
