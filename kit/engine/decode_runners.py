@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kit.engine.decode import PagedBatch, prefill_function, step_function
+from kit.engine.decode import PagedBatch, prefill_function, step_for
 from kit.engine.expert_picks import moe_layers
 from kit.engine.layers.linear import FEW_ROWS
 from kit.engine.model import Decoder
@@ -83,7 +83,7 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     model.stream_products(on_cpu and len(prompts) <= FEW_ROWS)
     batch.start(model, prompts, prefill)
     batch.make_room()
-    runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
+    runner = make_runner(step_for(model, batch), strategy, device,
                          batch.step_args(),
                          dynamic_dims=CPU_FLOAT32_DYNAMIC if on_cpu and float32 else {},
                          capture_sizes=[len(prompts)],

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, with_layer_pattern
-from kit.engine.decode import batch_for_run, make_prompts, step_function
+from kit.engine.decode import batch_for_run, make_prompts, step_for
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
@@ -92,7 +92,7 @@ class PrefilledRun:
         self.batch = batch_for_run(layout, lengths, steps, settings.device)
         self.device = settings.device
         self.batch.start(model, make_prompts(lengths, model.arch.vocab_size, settings.seed))
-        self.step = step_function(model, self.batch.max_context_len)
+        self.step = step_for(model, self.batch)
 
     @torch.no_grad()
     def time_steps(self, count: int) -> list[float]:

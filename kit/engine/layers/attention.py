@@ -71,17 +71,33 @@ def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch
 
     One `index_put_` on the whole cache, indexed by (slice, K or V, block, offset): compiled,
     that is an in-place scatter of just these rows. Written through a view instead (one
-    layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
-    block_size = kv_cache.shape[3]
+    layer's cache, or the cache flattened), Inductor copied the whole cache on every step.
+    A layer whose token takes r of the cache's rows (`KVCacheLayout.tensor_shape`: Gemma 4's
+    global layers with r times the sliding ones' bytes per token) has blocks of block_size / r
+    tokens, each page the same bytes, as vLLM's (`unify_kv_cache_spec_page_size`): it writes
+    token t of its block at rows t × r to t × r + r - 1."""
+    row = kv_cache.shape[-2:]  # a token of the layers with the fewest bytes per token
+    rows = k.shape[1] * k.shape[2] // (row[0] * row[1])
+    block_size = kv_cache.shape[3] // rows
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    layer = torch.full_like(slot_mapping, cache_slice)
-    kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
-    # (a layer whose heads differ from the cache's, Gemma 4's full layers, fills the same
-    # bytes per token: its K and V rows reshaped to the cache's)
-    row = kv_cache.shape[-2:]
+    if rows > 1:
+        parts = torch.arange(rows, device=slot_mapping.device)
+        block = block[:, None].expand(-1, rows).reshape(-1)
+        offset = (offset[:, None] * rows + parts).reshape(-1)
+    layer = torch.full_like(block, cache_slice)
+    kind = torch.cat([torch.zeros_like(block), torch.ones_like(block)])
     kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
                          torch.cat([offset, offset])),
                         torch.cat([k.reshape(-1, *row), v.reshape(-1, *row)]))
+
+
+def own_shape(layer_cache: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A layer's slice of the cache [2, num_blocks, block_size, heads, dim] viewed in the
+    layer's own heads (`write_kv`'s rows): its blocks hold fewer tokens of more bytes where
+    they are wider than the cache's rows. Read through, never written (`write_kv`)."""
+    if tuple(layer_cache.shape[-2:]) == (kv_heads, head_dim):
+        return layer_cache
+    return layer_cache.view(2, layer_cache.shape[1], -1, kv_heads, head_dim)
 
 
 # The paged attention's form run eagerly: two matmuls, unless `summed_attention()` asks for the
@@ -137,27 +153,27 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, chunk: int | None = None,
                            zero_masked: bool = False):
-    """One query token per sequence ([seqs, heads, head_dim]) against its cached context: keys and
-    values are gathered through the block table, the first `max_context_len` positions of each
-    sequence's table (all of them by default): every shape depends only on the batch, never on the
-    contexts' lengths, so one compiled graph (or one CUDA graph) serves every step. Positions past a
-    sequence's context (the padding of its last block, or of its table) are masked. With `window`,
-    only the blocks holding the last `window` positions are read (`window_tables`: a fixed number,
-    so a sliding layer's step stops growing once the context passes its window), and older positions
-    among them are masked; with `chunk` (Llama 4), only the blocks of the new token's own chunk,
-    positions before the chunk masked. The scores are scaled by `scale` (default head_dim^-1/2) and
-    capped by `softcap`; the softmax runs in float32, with each head's sink logit (`sinks` [heads],
-    gpt-oss) in its denominator. `zero_masked`: the values at masked positions are zeroed first, for
-    a hybrid, whose pages hold bytes no token wrote there (a recurrent state's: as values they may
-    be NaN, and a weight of 0 times NaN is NaN). vLLM's kernels read only the positions of each
-    context."""
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context (the
+    layer's cache in its own shape, `own_shape`): keys and values are gathered through the block
+    table (the entries holding them, `entries_holding`), the first `max_context_len` positions of
+    each sequence's table (all of them by default): every shape depends only on the batch, never on
+    the contexts' lengths, so one compiled graph (or one CUDA graph) serves every step. Positions
+    past a sequence's context (the padding of its last block, or of its table) are masked. With
+    `window`, only the blocks holding the last `window` positions are read (`window_tables`: a
+    fixed number, so a sliding layer's step stops growing once the context passes its window), and
+    older positions among them are masked; with `chunk` (Llama 4), only the blocks of the new
+    token's own chunk, positions before the chunk masked. The scores are scaled by `scale` (default
+    head_dim^-1/2) and capped by `softcap`; the softmax runs in float32, with each head's sink
+    logit (`sinks` [heads], gpt-oss) in its denominator. `zero_masked`: the values at masked
+    positions are zeroed first, for a hybrid, whose pages hold bytes no token wrote there (a
+    recurrent state's: as values they may be NaN, and a weight of 0 times NaN is NaN). vLLM's
+    kernels read only the positions of each context."""
     num_seqs, width = block_tables.shape
-    block_size, head_dim = layer_cache.shape[2], q.shape[-1]
-    # the layer's KV heads, where they differ from the cache's shape (Gemma 4's full layers)
-    kv_heads = layer_cache.shape[3] * layer_cache.shape[4] // head_dim
+    block_size, kv_heads, head_dim = layer_cache.shape[2:]
     length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
+    block_tables = entries_holding(block_tables, length, block_size)
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
-    blocks = window_blocks(window or chunk, block_size, width)
+    blocks = window_blocks(window or chunk, block_size, block_tables.shape[1])
     first = first_visible(context_lens, window, chunk)
     if blocks * block_size < length:  # a window narrower than the context: read only it
         tables, pos = window_tables(block_tables, first, blocks, block_size)
@@ -191,6 +207,14 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
     return out.to(q.dtype).reshape(q.shape)
+
+
+def entries_holding(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The table's entries that hold the first `length` positions: all of them, but for a group
+    of larger blocks than the table's width was set for (Gemma 4's sliding groups beside its
+    wider global layers), whose later entries are padding."""
+    needed = -(-length // block_size)
+    return block_tables[:, :needed] if needed < block_tables.shape[1] else block_tables
 
 
 def window_blocks(window: int | None, block_size: int, width: int) -> int:
@@ -302,13 +326,17 @@ class Attention(nn.Module):
         (bound to it, `bind_kv_cache`) and writes nothing; a prefill attends to the keys and
         values the source layer computed in this forward."""
         if meta is not None and meta.block_tables is not None:
-            return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
+            return paged_decode_attention(q, self.own_cache(meta.kv_cache),
                                           meta.block_tables[self.kv_group], meta.context_lens,
                                           meta.max_context_len, self.scale, self.window,
                                           self.softcap, self.sinks,
                                           zero_masked=self.zero_masked)
         k, v = handed_on[self.kv_source]
         return self.attend(q, k, v, num_seqs)
+
+    def own_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Its slice of the cache, in its own heads (`own_shape`)."""
+        return own_shape(kv_cache[self.cache_slice], self.num_kv_heads, self.head_dim)
 
     def bind_kv_cache(self, layout) -> None:
         """Take this layer's KV cache group and cache slice from `layout` (a
@@ -328,7 +356,7 @@ class Attention(nn.Module):
                                    "model.bind_kv_cache(layout) before a paged forward")
             write_kv(meta.kv_cache, self.cache_slice, k, v, meta.slot_mapping[self.kv_group])
             if meta.block_tables is not None:
-                return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
+                return paged_decode_attention(q, self.own_cache(meta.kv_cache),
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap,
