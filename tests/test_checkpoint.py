@@ -515,8 +515,8 @@ def test_transformers_reads_the_written_config_as_the_kit_does(family, changes):
 
 # Gemma 4's text decoder as transformers builds it (Gemma4TextConfig's keywords): the last 2 of
 # 6 layers KV-shared (layer 4 reads layer 3's cache, layer 5 layer 2's), full layers with K = V
-# and 1 KV head of 128 beside the sliding layers' 2 of 64 (the same bytes per token, so the
-# kit's paged decode runs them at one block size), per-layer embeddings, the shared layers'
+# and 1 KV head of 128 beside the sliding layers' 2 of 64 (the same bytes per token: one block
+# size; GEMMA4_WIDE below has two), per-layer embeddings, the shared layers'
 # MLPs doubled, proportional RoPE on full layers, capped logits, a window of 8.
 GEMMA4 = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,

@@ -260,22 +260,23 @@ def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
     attention reads `max_context_len` positions of each (default: the table's width). A
     hybrid's recurrent layers update their `states` in place, each sequence's slot the block
     its recurrent group's table holds. `block_sizes`: each group's tokens per block where they
-    differ (`KVCacheLayout.decode_block_sizes`); None: the cache's, one for every group."""
-    meta = AttentionMetadata(kv_cache, decode_slots(positions, block_tables, kv_cache,
-                                                    block_sizes),
-                             block_tables, positions + 1, max_context_len, states)
-    return model.compute_logits(model.decode(input_ids, positions, meta))
-
-
-def decode_slots(positions, block_tables, kv_cache, block_sizes=None) -> torch.Tensor:
-    """Each group's slot of each sequence's new token [groups, seqs]: block × block_size +
-    offset, in the group's own tokens per block (`block_sizes`, a Python loop over groups,
-    constants to compiled code) or, where they are one, the cache's."""
+    differ (`KVCacheLayout.decode_block_sizes`); None: the cache's, one for every group (and
+    no other function called, so the compiled step guards on nothing more)."""
     if block_sizes is None:
         block_size = cache_blocks(kv_cache)[1]
         entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
         block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
-        return block * block_size + positions % block_size
+        slots = block * block_size + positions % block_size
+    else:
+        slots = group_slots(positions, block_tables, block_sizes)
+    meta = AttentionMetadata(kv_cache, slots, block_tables, positions + 1, max_context_len,
+                             states)
+    return model.compute_logits(model.decode(input_ids, positions, meta))
+
+
+def group_slots(positions, block_tables, block_sizes: tuple[int, ...]) -> torch.Tensor:
+    """Each group's slot of each sequence's new token [groups, seqs] in the group's own tokens
+    per block (a Python loop over the groups: constants to compiled code)."""
     return torch.stack([table.gather(1, (positions // size)[:, None])[:, 0] * size
                         + positions % size for table, size in zip(block_tables, block_sizes)])
 
@@ -297,10 +298,10 @@ def step_function(model: Decoder, max_context_len: int | None = None,
     groups' blocks differ, `block_sizes`): the function a strategy compiles (tensors in,
     logits out). Only a batch with `block_sizes` closes over them, so the others' compiled
     code guards on nothing more."""
-    if block_sizes is None:
+    if block_sizes is None:  # (None itself, not decode_step's default: Dynamo guards those)
         def step(input_ids, positions, block_tables, kv_cache, states=None):
             return decode_step(model, input_ids, positions, block_tables, kv_cache,
-                               max_context_len, states)
+                               max_context_len, states, None)
         return step
 
     def step_of_sizes(input_ids, positions, block_tables, kv_cache, states=None):

@@ -91,15 +91,6 @@ def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch
                         torch.cat([k.reshape(-1, *row), v.reshape(-1, *row)]))
 
 
-def own_shape(layer_cache: torch.Tensor, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """A layer's slice of the cache [2, num_blocks, block_size, heads, dim] viewed in the
-    layer's own heads (`write_kv`'s rows): its blocks hold fewer tokens of more bytes where
-    they are wider than the cache's rows. Read through, never written (`write_kv`)."""
-    if tuple(layer_cache.shape[-2:]) == (kv_heads, head_dim):
-        return layer_cache
-    return layer_cache.view(2, layer_cache.shape[1], -1, kv_heads, head_dim)
-
-
 # The paged attention's form run eagerly: two matmuls, unless `summed_attention()` asks for the
 # summed products compiled code always runs, so chapter 04 can tell what the form buys from
 # what the compiler buys. (Compiled code never reads this: the branch is taken while tracing.)
@@ -152,28 +143,28 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            max_context_len: int | None = None, scale: float | None = None,
                            window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, chunk: int | None = None,
-                           zero_masked: bool = False):
-    """One query token per sequence ([seqs, heads, head_dim]) against its cached context (the
-    layer's cache in its own shape, `own_shape`): keys and values are gathered through the block
-    table (the entries holding them, `entries_holding`), the first `max_context_len` positions of
-    each sequence's table (all of them by default): every shape depends only on the batch, never on
-    the contexts' lengths, so one compiled graph (or one CUDA graph) serves every step. Positions
-    past a sequence's context (the padding of its last block, or of its table) are masked. With
-    `window`, only the blocks holding the last `window` positions are read (`window_tables`: a
-    fixed number, so a sliding layer's step stops growing once the context passes its window), and
-    older positions among them are masked; with `chunk` (Llama 4), only the blocks of the new
-    token's own chunk, positions before the chunk masked. The scores are scaled by `scale` (default
-    head_dim^-1/2) and capped by `softcap`; the softmax runs in float32, with each head's sink
-    logit (`sinks` [heads], gpt-oss) in its denominator. `zero_masked`: the values at masked
-    positions are zeroed first, for a hybrid, whose pages hold bytes no token wrote there (a
-    recurrent state's: as values they may be NaN, and a weight of 0 times NaN is NaN). vLLM's
-    kernels read only the positions of each context."""
+                           zero_masked: bool = False, kv_heads: int | None = None):
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context, gathered
+    through the block table: the first `max_context_len` positions of each sequence (default: the
+    table's), so every shape depends on the batch only and one compiled graph (or CUDA graph) serves
+    every step; positions past a context are masked. `window`: only the blocks holding the last
+    `window` positions are read (`window_tables`, a fixed number), older ones masked; `chunk` (Llama
+    4): only the new token's chunk. Scores scaled by `scale` (default head_dim^-1/2), capped by
+    `softcap`, softmax in float32 with each head's sink logit (`sinks` [heads], gpt-oss) in its
+    denominator. `zero_masked`: masked values zeroed first (a hybrid's pages hold states' bytes,
+    maybe NaN, and 0 × NaN is NaN). `kv_heads`: the layer's (default: the cache row's), so a layer
+    whose tokens take r rows has blocks of r times fewer tokens (Gemma 4's wider global layers,
+    `write_kv`); a group of larger blocks than the table was sized for reads only the entries
+    holding `max_context_len` positions."""
     num_seqs, width = block_tables.shape
-    block_size, kv_heads, head_dim = layer_cache.shape[2:]
+    head_dim, row = q.shape[-1], layer_cache.shape[3] * layer_cache.shape[4]
+    kv_heads = kv_heads or row // head_dim
+    block_size = layer_cache.shape[2] * row // (kv_heads * head_dim)  # the layer's own
     length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
-    block_tables = entries_holding(block_tables, length, block_size)
+    if (needed := -(-length // block_size)) < width:  # larger blocks than the table's
+        width, block_tables = needed, block_tables[:, :needed]
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
-    blocks = window_blocks(window or chunk, block_size, block_tables.shape[1])
+    blocks = window_blocks(window or chunk, block_size, width)
     first = first_visible(context_lens, window, chunk)
     if blocks * block_size < length:  # a window narrower than the context: read only it
         tables, pos = window_tables(block_tables, first, blocks, block_size)
@@ -207,14 +198,6 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
     else:
         out = torch.matmul(weights.to(q.dtype), v.transpose(1, 2))
     return out.to(q.dtype).reshape(q.shape)
-
-
-def entries_holding(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """The table's entries that hold the first `length` positions: all of them, but for a group
-    of larger blocks than the table's width was set for (Gemma 4's sliding groups beside its
-    wider global layers), whose later entries are padding."""
-    needed = -(-length // block_size)
-    return block_tables[:, :needed] if needed < block_tables.shape[1] else block_tables
 
 
 def window_blocks(window: int | None, block_size: int, width: int) -> int:
@@ -326,17 +309,14 @@ class Attention(nn.Module):
         (bound to it, `bind_kv_cache`) and writes nothing; a prefill attends to the keys and
         values the source layer computed in this forward."""
         if meta is not None and meta.block_tables is not None:
-            return paged_decode_attention(q, self.own_cache(meta.kv_cache),
+            return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
                                           meta.block_tables[self.kv_group], meta.context_lens,
                                           meta.max_context_len, self.scale, self.window,
                                           self.softcap, self.sinks,
-                                          zero_masked=self.zero_masked)
+                                          zero_masked=self.zero_masked,
+                                          kv_heads=self.num_kv_heads)
         k, v = handed_on[self.kv_source]
         return self.attend(q, k, v, num_seqs)
-
-    def own_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Its slice of the cache, in its own heads (`own_shape`)."""
-        return own_shape(kv_cache[self.cache_slice], self.num_kv_heads, self.head_dim)
 
     def bind_kv_cache(self, layout) -> None:
         """Take this layer's KV cache group and cache slice from `layout` (a
@@ -356,11 +336,12 @@ class Attention(nn.Module):
                                    "model.bind_kv_cache(layout) before a paged forward")
             write_kv(meta.kv_cache, self.cache_slice, k, v, meta.slot_mapping[self.kv_group])
             if meta.block_tables is not None:
-                return paged_decode_attention(q, self.own_cache(meta.kv_cache),
+                return paged_decode_attention(q, meta.kv_cache[self.cache_slice],
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap,
-                                              self.sinks, self.chunk, self.zero_masked)
+                                              self.sinks, self.chunk, self.zero_masked,
+                                              self.num_kv_heads)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
