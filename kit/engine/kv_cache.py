@@ -1,5 +1,5 @@
 """The KV cache of a run (chapters 02-05), shaped as vLLM 0.32's: a spec per layer
-(`kit.engine.kv_specs`), the groups they make (`kit.engine.kv_groups`), one block size, and,
+(`kit.engine.kv_specs`), the groups they make (`kit.engine.kv_groups`), their blocks, and,
 once a budget is known, one `KVCacheConfig`: num_blocks, the tensors and which layers share
 each, tokens and max concurrency, vLLM's start-up line. Built once per run and handed down: the
 decode engine's block tables and cache, each attention layer's group and slice, the bytes a
@@ -81,10 +81,10 @@ def layer_spec(arch, layer: int, block_size: int, model_dtype: str, dtype_bytes:
 @dataclass(frozen=True)
 class KVCacheLayout:
     """One rank's KV cache before its size is known: a spec per layer, grouped as vLLM groups
-    them, at one block size, in one cache dtype."""
+    them (each group's tokens per block its spec's: one page size), in one cache dtype."""
 
     groups: tuple[KVCacheGroup, ...]
-    block_size: int            # what the cache is sized and run at
+    block_size: int            # what the cache is sized at: the groups' smallest block
     requested_block_size: int  # the settings' block_size
     cache_dtype: str           # the elements' dtype: the model's for kv_cache_dtype "auto"
     kv_cache_dtype: str = "auto"
