@@ -515,8 +515,8 @@ def test_transformers_reads_the_written_config_as_the_kit_does(family, changes):
 
 # Gemma 4's text decoder as transformers builds it (Gemma4TextConfig's keywords): the last 2 of
 # 6 layers KV-shared (layer 4 reads layer 3's cache, layer 5 layer 2's), full layers with K = V
-# and 1 KV head of 128 beside the sliding layers' 2 of 64 (the same bytes per token, so the
-# kit's paged decode runs them at one block size), per-layer embeddings, the shared layers'
+# and 1 KV head of 128 beside the sliding layers' 2 of 64 (the same bytes per token: one block
+# size; GEMMA4_WIDE below has two), per-layer embeddings, the shared layers'
 # MLPs doubled, proportional RoPE on full layers, capped logits, a window of 8.
 GEMMA4 = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -564,19 +564,36 @@ GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
               "moe_intermediate_size": 48}
 
 
+# Full layers with twice the sliding layers' bytes per token (2 KV heads of 128 beside 2 of 64),
+# K = V or with their own V: vLLM gives the sliding layers blocks of twice the tokens (the
+# harness's block 4: 8 and 4), and a full layer's token fills 2 rows of the cache
+GEMMA4_WIDE = {"num_global_key_value_heads": 2}
+GEMMA4_WIDE_V = {"attention_k_eq_v": False}
+
+
 @pytest.mark.parametrize("strategy,changes", [
     pytest.param("eager", {}, id="dense-eager"), pytest.param("eager_summed", {}, id="dense-summed"),
     pytest.param("eager", GEMMA4_MOE, id="experts-eager"),
-    pytest.param("guard_free", {}, id="dense-guard-free", marks=pytest.mark.slow)])  # ~50 s
+    pytest.param("guard_free", {}, id="dense-guard-free", marks=pytest.mark.slow),  # ~50 s
+    pytest.param("eager", GEMMA4_WIDE, id="wide-eager"),
+    pytest.param("eager_summed", GEMMA4_WIDE, id="wide-summed"),
+    pytest.param("eager", GEMMA4_WIDE_V, id="wide-own-v-eager"),
+    pytest.param("guard_free", GEMMA4_WIDE, id="wide-guard-free", marks=pytest.mark.slow)])
 def test_gemma4_prefill_and_paged_decode_match_transformers(tmp_path, strategy, changes):
     """On a checkpoint transformers wrote: prefill of 3 prompts of 33 tokens, then every paged
     decode step (prompts of 5, 30 and 37, 6 steps), float32 within 1e-4 of the largest logit;
-    the KV-shared layers read their source layer's paged cache; dense, and with experts."""
+    the KV-shared layers read their source layer's paged cache; dense, with experts, and with
+    full layers wider per token than the sliding ones (their blocks half as long)."""
     folder = transformers_gemma4(tmp_path / "g4", **changes)
     model = kit_model(folder)
-    assert sum(layer.moe is not None for layer in model.layers) == (6 if changes else 0)
+    assert sum(layer.moe is not None for layer in model.layers) == (6 if changes is GEMMA4_MOE
+                                                                    else 0)
+    full = (512, 256, 256) if changes is GEMMA4_WIDE_V else (512, 256) if changes is GEMMA4_WIDE \
+        else (512, 128)
     assert [layer.self_attn.split for layer in model.layers] == [(256, 128, 128)] * 2 + [
-        (512, 128)] + [(256, 128, 128)] + [(256,), (512,)]
+        full] + [(256, 128, 128)] + [(256,), (512,)]
+    wide = KVCacheLayout.for_model(model.arch, 4, "float32").decode_block_sizes
+    assert wide == ((8, 8, 8, 4) if full != (512, 128) else None)
     got, expected = kit_and_reference_logits(folder, prompt_ids(GEMMA4_CASE))
     error = relative_error(got, expected)
     print(f"{GEMMA4_CASE}: prefill max |kit - transformers| / max |logit| = {error:.2e}")

@@ -148,27 +148,50 @@ def test_vision_only_bidirectional_attention_leaves_the_text_decoder_causal():
     assert arch == ModelConfig.from_dict(hf, "g4")
 
 
-def test_wider_global_layers_get_their_cache_and_tables_but_no_decode(tmp_path):
-    """Global layers with twice the sliding ones' bytes a token (two global KV heads of 128
-    against two of 64): vLLM gives the sliding groups twice the tokens per block, one page
-    size. The cache is allocated (one page a block id in every group), each group's table
-    holds its own ⌈n ÷ its block⌉ blocks; the kit's paged decode refuses, saying why."""
-    from kit.engine.block_manager import GroupedBlockTables
-    from kit.engine.decode import PagedBatch
-    from kit.engine.kv_cache import allocate
-    hf = {**json.loads((MODELS_DIR / "tiny-gemma4.json").read_text()),
-          "num_global_key_value_heads": 2}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    layout = KVCacheLayout.for_model(ModelConfig.load(str(tmp_path / "config.json")), 16,
-                                     "float32")
-    assert sorted({g.spec.block_size for g in layout.groups}) == [16, 32]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wider_global_layers_decode_at_their_own_block_size(dtype):
+    """tiny-gemma4-wide: global layers with twice the sliding ones' bytes a token (two global KV
+    heads of 128 against two of 64): vLLM gives the sliding groups twice the tokens per block,
+    one page size. The cache is allocated in the sliding layers' rows, one page a block id in
+    every group (a global layer writes a token as 2 rows); each group's table holds its own
+    ⌈n ÷ its block⌉ blocks; the paged decode (prompts ending inside and on both groups' blocks,
+    one past the window of 64, steps crossing block edges) equals the no-cache reference."""
+    from kit.engine.decode import batch_for_run, check_against_no_cache, generate, make_prompts
+    from kit.engine.model import build_model
+    arch = ModelConfig.load("tiny-gemma4-wide")
+    layout = KVCacheLayout.for_model(arch, 4, dtype)
+    assert layout.decode_refusal() is None
+    assert {g.window: g.spec.block_size for g in layout.groups} == {64: 8, None: 4}
     assert len({g.spec.page_size_bytes for g in layout.groups}) == 1
     config = kv_cache_config(layout, 1 << 22, 256, in_flight_tokens=64)
+    assert layout.tensor_shape(config.num_blocks)[3:] == (8, 2, 64)
+    assert config.cache_bytes == config.num_blocks * 8 * 2 * 2 * 64 * layout.group_size * (
+        4 if dtype == "float32" else 2)
+    lengths, steps = [3, 8, 13, 70], 9
+    batch = batch_for_run(layout, lengths, steps, "cpu")
+    model = build_model(arch, dtype, "cpu", seed=0)
+    prompts = make_prompts(lengths, arch.vocab_size, seed=1)
+    run = generate(model, batch, prompts, steps)
+    for i, n in enumerate(lengths):
+        assert [len(t) for t in batch.allocator.tables[i]] == [
+            -(-(n + steps) // g.spec.block_size) for g in layout.groups]
+    result = check_against_no_cache(model, prompts, run, dtype)
+    assert result.ok and result.token_agreement > 0.9, result.errors
+    assert dtype != "float32" or result.max_error < 1e-5
+
+
+def test_global_layers_whose_tokens_fill_no_whole_rows_are_sized_but_not_decoded():
+    """Global layers of 3 KV heads of 64 beside 2 sliding ones (1.5 times the bytes a token):
+    vLLM pads the sliding layers' pages to the global ones'. The kit sizes and allocates that
+    cache; its paged decode, which writes a global token as whole rows of the cache, refuses,
+    saying why."""
+    from kit.engine.decode import PagedBatch
+    from kit.engine.kv_cache import allocate
+    arch = ModelConfig.from_dict({**json.loads((MODELS_DIR / "tiny-gemma4.json").read_text()),
+                                  "num_global_key_value_heads": 3, "global_head_dim": 64}, "g4")
+    layout = KVCacheLayout.for_model(arch, 16, "float32")
+    assert {g.spec.page_size_bytes for g in layout.groups} == {16 * 2 * 3 * 64 * 4}
+    config = kv_cache_config(layout, 1 << 22, 256, in_flight_tokens=64)
     cache = allocate(layout, config.num_blocks, "cpu")
-    assert cache.numel() * cache.element_size() == config.cache_bytes
-    tables = GroupedBlockTables(config.num_blocks, layout.groups)
-    tables.allocate_slots(0, 100)
-    assert [len(t) for t in tables.tables[0]] == [
-        -(-100 // g.spec.block_size) for g in layout.groups]
-    with pytest.raises(ConfigError, match="paged decode runs one block size"):
+    with pytest.raises(ConfigError, match="whole multiple of the narrowest"):
         PagedBatch(layout, cache, [100], width=8)

@@ -355,6 +355,45 @@ def test_todays_families_token_for_token(tmp_path, family, writer):
     assert vllm.tokens == run.tokens.tolist()
 
 
+def test_gemma4_with_wider_global_layers_token_for_token(tmp_path):
+    """A Gemma 4 whose full layers take twice the sliding ones' bytes per token (K = V, 2 KV
+    heads of 64 beside 2 of 32), as transformers writes it: vLLM's CPU engine gives each
+    group its own block (sliding 256 tokens, full 128: one page size) and as many blocks as
+    the kit sizes; its 72 greedy tokens (float32, prompts of 5, 30 and 41 past the window of
+    16) are the kit's, whose paged decode runs the same way at block 16 (sliding 32, full 16)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from kit.engine.decode import batch_for_run, generate, make_prompts
+    from kit.engine.model import build_model
+    from kit.vllm.greedy import greedy_from_checkpoint
+    hf = {"model_type": "gemma4_text", **SMALL, **GEMMA4, "num_global_key_value_heads": 2}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf), dtype=torch.float32
+                                     ).save_pretrained(tmp_path)
+    arch = kit.config.ModelConfig.load(str(tmp_path))
+    layout = KVCacheLayout.for_model(arch, 16, "float32")
+    assert layout.decode_block_sizes == (32, 32, 32, 16)
+    lengths, steps = [5, 30, 41], 23
+    prompts = make_prompts(lengths, arch.vocab_size, 5)
+    batch = batch_for_run(layout, lengths, steps, "cpu")
+    run = generate(build_model(arch, "float32", "cpu"), batch, prompts, steps, keep_logits=False)
+
+    def blocks(llm):  # the engine's own KV cache config: its pool, each layer's block
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        return config.num_blocks, {extract_layer_index(name): g.kv_cache_spec.block_size
+                                   for g in config.kv_cache_groups for name in g.layer_names}
+    vllm = greedy_from_checkpoint(tmp_path, [p.tolist() for p in prompts], steps + 1,
+                                  then=blocks)
+    at_128 = KVCacheLayout.for_model(arch, 128, "float32", device="cpu")
+    sized = kv_cache_config(at_128, 64 * 2**20, 128, "CPU", 256)
+    assert vllm.then == (sized.num_blocks, {i: g.spec.block_size for g in at_128.groups
+                                            for i in g.layers})
+    assert set(vllm.then[1].values()) == {256, 128}
+    assert vllm.tokens == run.tokens.tolist()
+
+
 def test_token_for_token_on_a_checkpoint_with_a_tokenizer(tmp_path):
     """Chapter 05's comparison on a user's folder (model=<folder>): in float32 every token
     agrees, and with a tokenizer in the folder both sides' tokens read as the same text."""

@@ -148,6 +148,8 @@ class PagedBatch:
                  width: int, max_context_len: int | None = None):
         if layout.decode_refusal():
             raise ConfigError(layout.decode_refusal())
+        # each group's tokens per block where they differ (Gemma 4's wider global layers)
+        self.block_sizes = layout.decode_block_sizes
         shape = layout.tensor_shape(cache_blocks(kv_cache)[0])
         if tuple(kv_cache.shape) != shape:
             raise ValueError(f"a cache of shape {tuple(kv_cache.shape)} is not the layout's "
@@ -250,19 +252,33 @@ class PagedBatch:
 
 
 def decode_step(model: Decoder, input_ids, positions, block_tables, kv_cache,
-                max_context_len: int | None = None, states=None) -> torch.Tensor:
+                max_context_len: int | None = None, states=None,
+                block_sizes: tuple[int, ...] | None = None) -> torch.Tensor:
     """One decode step for the whole batch: logits [num_seqs, vocab] of the tokens `input_ids`
     at `positions`. Where each token's K and V go (its slot) and how much context each sequence
     sees follow from the positions and the block table, computed here on the device; the
     attention reads `max_context_len` positions of each (default: the table's width). A
     hybrid's recurrent layers update their `states` in place, each sequence's slot the block
-    its recurrent group's table holds."""
-    block_size = cache_blocks(kv_cache)[1]
-    entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
-    block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
-    meta = AttentionMetadata(kv_cache, block * block_size + positions % block_size,
-                             block_tables, positions + 1, max_context_len, states)
+    its recurrent group's table holds. `block_sizes`: each group's tokens per block where they
+    differ (`KVCacheLayout.decode_block_sizes`); None: the cache's, one for every group (and
+    no other function called, so the compiled step guards on nothing more)."""
+    if block_sizes is None:
+        block_size = cache_blocks(kv_cache)[1]
+        entry = (positions // block_size)[None, :, None].expand(block_tables.shape[0], -1, 1)
+        block = block_tables.gather(2, entry)[..., 0]  # [groups, seqs]
+        slots = block * block_size + positions % block_size
+    else:
+        slots = group_slots(positions, block_tables, block_sizes)
+    meta = AttentionMetadata(kv_cache, slots, block_tables, positions + 1, max_context_len,
+                             states)
     return model.compute_logits(model.decode(input_ids, positions, meta))
+
+
+def group_slots(positions, block_tables, block_sizes: tuple[int, ...]) -> torch.Tensor:
+    """Each group's slot of each sequence's new token [groups, seqs] in the group's own tokens
+    per block (a Python loop over the groups: constants to compiled code)."""
+    return torch.stack([table.gather(1, (positions // size)[:, None])[:, 0] * size
+                        + positions % size for table, size in zip(block_tables, block_sizes)])
 
 
 def prefill_function(model: Decoder):
@@ -276,13 +292,27 @@ def prefill_function(model: Decoder):
     return prefill
 
 
-def step_function(model: Decoder, max_context_len: int | None = None):
-    """`decode_step` bound to `model` (and to a batch's `max_context_len`): the function a
-    strategy compiles (tensors in, logits out)."""
-    def step(input_ids, positions, block_tables, kv_cache, states=None):
-        return decode_step(model, input_ids, positions, block_tables, kv_cache, max_context_len,
-                           states)
-    return step
+def step_function(model: Decoder, max_context_len: int | None = None,
+                  block_sizes: tuple[int, ...] | None = None):
+    """`decode_step` bound to `model` (and to a batch's `max_context_len` and, where its
+    groups' blocks differ, `block_sizes`): the function a strategy compiles (tensors in,
+    logits out). Only a batch with `block_sizes` closes over them, so the others' compiled
+    code guards on nothing more."""
+    if block_sizes is None:  # (None itself, not decode_step's default: Dynamo guards those)
+        def step(input_ids, positions, block_tables, kv_cache, states=None):
+            return decode_step(model, input_ids, positions, block_tables, kv_cache,
+                               max_context_len, states, None)
+        return step
+
+    def step_of_sizes(input_ids, positions, block_tables, kv_cache, states=None):
+        return decode_step(model, input_ids, positions, block_tables, kv_cache,
+                           max_context_len, states, block_sizes)
+    return step_of_sizes
+
+
+def step_for(model: Decoder, batch: PagedBatch):
+    """`step_function` for `batch`: its max_context_len, its groups' block sizes."""
+    return step_function(model, batch.max_context_len, batch.block_sizes)
 
 
 # --- running and timing ----------------------------------------------------------------------
@@ -307,7 +337,7 @@ def generate(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor], ste
     step's time covers its bookkeeping (new blocks), the step and sampling, as an engine's does;
     copying out its tokens and logits for the correctness check comes after the clock."""
     device = batch.kv_cache.device.type
-    step = step or step_function(model, batch.max_context_len)
+    step = step or step_for(model, batch)
     synchronize(device)
     t0 = time.perf_counter()
     first = batch.start(model, prompts, prefill)

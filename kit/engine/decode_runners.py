@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kit.engine.decode import PagedBatch, prefill_function, step_function
+from kit.engine.decode import PagedBatch, prefill_function, step_for
 from kit.engine.expert_picks import moe_layers
 from kit.engine.model import Decoder
 from kit.engine.runners import CompiledGraphs, Runner, make_runner
@@ -83,7 +83,7 @@ def decode_runner(model: Decoder, batch: PagedBatch, prompts: list[torch.Tensor]
     model.stream_products(len(prompts) if on_cpu else 0)
     batch.start(model, prompts, prefill)
     batch.make_room()
-    runner = make_runner(step_function(model, batch.max_context_len), strategy, device,
+    runner = make_runner(step_for(model, batch), strategy, device,
                          batch.step_args(),
                          dynamic_dims=CPU_FLOAT32_DYNAMIC if on_cpu and float32 else {},
                          capture_sizes=[len(prompts)],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kit.engine.decode import generate, step_function
+from kit.engine.decode import generate, step_for
 from kit.engine.layers.experts import SparseMoE, noting_picks
 
 
@@ -54,5 +54,5 @@ def record_picks(model, batch, prompts: list[torch.Tensor], steps: int, keep_log
     picks: (picks, the run, a `kit.engine.decode.Generation`)."""
     picks = ExpertPicks(model)
     run = generate(model, batch, prompts, steps, keep_logits=keep_logits,
-                   step=picks.wrap(step_function(model, batch.max_context_len)))
+                   step=picks.wrap(step_for(model, batch)))
     return picks, run

@@ -1,5 +1,5 @@
 """The KV cache of a run (chapters 02-05), shaped as vLLM 0.32's: a spec per layer
-(`kit.engine.kv_specs`), the groups they make (`kit.engine.kv_groups`), one block size, and,
+(`kit.engine.kv_specs`), the groups they make (`kit.engine.kv_groups`), their blocks, and,
 once a budget is known, one `KVCacheConfig`: num_blocks, the tensors and which layers share
 each, tokens and max concurrency, vLLM's start-up line. Built once per run and handed down: the
 decode engine's block tables and cache, each attention layer's group and slice, the bytes a
@@ -81,10 +81,10 @@ def layer_spec(arch, layer: int, block_size: int, model_dtype: str, dtype_bytes:
 @dataclass(frozen=True)
 class KVCacheLayout:
     """One rank's KV cache before its size is known: a spec per layer, grouped as vLLM groups
-    them, at one block size, in one cache dtype."""
+    them (each group's tokens per block its spec's: one page size), in one cache dtype."""
 
     groups: tuple[KVCacheGroup, ...]
-    block_size: int            # what the cache is sized and run at
+    block_size: int            # what the cache is sized at: the groups' smallest block
     requested_block_size: int  # the settings' block_size
     cache_dtype: str           # the elements' dtype: the model's for kv_cache_dtype "auto"
     kv_cache_dtype: str = "auto"
@@ -237,33 +237,49 @@ class KVCacheLayout:
         """Whether some layers keep a recurrent state per request (a hybrid)."""
         return any(isinstance(g.spec, MambaSpec) for g in self.groups)
 
+    @property
+    def row_spec(self) -> KVCacheSpec:
+        """The attention spec of fewest bytes per token (largest block; the first on a tie):
+        one of its tokens is one row of the cache (`tensor_shape`)."""
+        return min((g.spec for g in self.attention_groups), key=lambda s: s.bytes_per_token)
+
     def decode_refusal(self) -> str | None:
-        """Why the kit's paged decode cannot run this cache, or None: it runs one block size
-        with the same bytes per token in every layer, where vLLM gives layers of smaller pages
-        more tokens per block (Gemma 4 with wider global layers)."""
-        if len({(g.spec.block_size, g.spec.bytes_per_token) for g in self.attention_groups}) < 2:
+        """Why the kit's paged decode cannot run this cache, or None: it writes a token of a
+        layer with r times the narrowest layers' bytes as r rows of the cache (`tensor_shape`),
+        so r must be whole and each page exactly its block's tokens (vLLM pads the rest)."""
+        row = self.row_spec.bytes_per_token
+        if all(g.spec.bytes_per_token % row == 0 and g.spec.page_size_bytes ==
+               g.spec.block_size * g.spec.bytes_per_token for g in self.attention_groups):
             return None
-        return ("the kit's paged decode runs one block size with the same bytes per token in "
-                f"every layer; this model's KV cache groups have {self.describe_blocks()} (vLLM "
-                "makes their pages one size by giving layers of smaller pages more tokens per "
-                "block). Sizing, the cache and its block tables are exact; to decode, choose "
-                "heads whose keys and values take the same bytes on every layer")
+        return (f"the kit's paged decode needs every layer's bytes per token a whole multiple "
+                f"of the narrowest's, unpadded pages; these groups have {self.describe_blocks()}"
+                ". Sizing, the cache and its block tables are exact; to decode, choose heads "
+                "whose bytes per token are multiples of the narrowest layers'")
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The cache as one tensor: [group size, 2 (K and V), num_blocks, block_size,
         num_kv_heads, head_dim]; tensor j is vLLM's `KVCacheTensor` j (a hybrid's is a view of
         pages that hold its recurrent states too: `kit.engine.hybrid_pages`). Latent attention keeps
         one latent per token and no K/V pair: [group size, num_blocks, block_size,
-        kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Layers
-        whose heads differ (Gemma 4's full layers) read and write the same bytes per token in
-        their own shape; where their blocks differ too (`decode_refusal`), the shape is the
-        first group's: each block is one page in every group."""
-        attention = self.attention_groups
-        spec = attention[0].spec
+        kv_lora_rank + qk_rope_head_dim], as vLLM's MLA backends view their tensor. Its rows
+        are `row_spec`'s; layers of other heads (Gemma 4's full layers) use the same bytes per
+        page in their own shape, r rows a token (`kit.engine.layers.attention.write_kv`)."""
+        spec = self.row_spec
         if self.latent:
             return (self.group_size, num_blocks, spec.block_size, spec.head_size)
         return (self.group_size, 2, num_blocks, spec.block_size, spec.num_kv_heads,
                 spec.head_size)
+
+    @property
+    def decode_block_sizes(self) -> tuple[int, ...] | None:
+        """Each group's tokens per block where the attention groups' differ, else None (a
+        decode step takes the cache's); a recurrent group, whose slot is its table's column 0
+        (`kit.engine.layers.state_slots`), gets the cache's."""
+        attention = self.attention_groups
+        if len({g.spec.block_size for g in attention}) == 1:
+            return None
+        return tuple(g.spec.block_size if g in attention else self.block_size
+                     for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -401,9 +417,8 @@ def allocate(layout: KVCacheLayout, num_blocks: int, device: str):
     """The cache as vLLM allocates it: one [2, num_blocks, ...] tensor per place in the widest
     KV cache group (vLLM's `KVCacheTensor`s), each shared by one layer of every group
     (`KVCacheLayout.tensor_shape`). With one group, that is one tensor per layer. A hybrid's
-    is a view of one buffer of pages that holds its recurrent states too
-    (`kit.engine.hybrid_pages`): the same shape, block-major in memory, exactly
-    num_blocks × page × places bytes."""
+    is a view of one buffer of pages that holds its recurrent states too (`kit.engine.
+    hybrid_pages`): the same shape, block-major, exactly num_blocks × page × places bytes."""
     import torch
     if layout.has_states:
         from kit.engine.hybrid_pages import allocate_pages

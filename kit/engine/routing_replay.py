@@ -32,7 +32,7 @@ import torch
 
 from kit.config import TOLERANCE
 from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache,
-                               generate, no_cache_logits, prefill_order, step_function)
+                               generate, no_cache_logits, prefill_order, step_for)
 from kit.engine.expert_picks import moe_layers
 from kit.engine.layers.experts import noting_picks
 from kit.units import Count, Number
@@ -67,7 +67,7 @@ def record_routing(model, batch: PagedBatch, prompts, run, prefill=None,
     [sequence][MoE layer] -> ids [positions, k]."""
     steps = len(run.step_seconds)
     if step is None or getattr(step, "strategy", None) == "cuda_graphs":
-        step = step_function(model, batch.max_context_len)
+        step = step_for(model, batch)
     with noting_picks() as noted:
         generate(model, batch, prompts, steps, keep_logits=False, prefill=prefill,
                  step=fed_step(step, run.tokens))

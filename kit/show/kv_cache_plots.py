@@ -169,7 +169,7 @@ def group_tables_steps(result) -> go.Figure:
     fig.update_xaxes(title_text="step (0: prefill)", row=n + 1, col=1)
     fig.update_layout(height=220 + 140 * n, title=(
         f"{result.model}: one sequence's block table per KV cache group (entries down, "
-        f"steps across), blocks of {result.block_size} tokens"))
+        f"steps across), blocks of {result.blocks}"))
     return fig
 
 

@@ -48,7 +48,7 @@ def group_steps_table(result, changes_only: bool = True) -> Table:
                    **{name: cell(s, g) for g, name in enumerate(names)},
                    "free blocks": s.num_free_blocks} for s in steps],
                  title=f"{result.model}: sequence 0's block tables, blocks of "
-                       f"{result.block_size} tokens, {result.num_blocks:,} in the pool")
+                       f"{result.blocks}, {result.num_blocks:,} in the pool")
 
 
 def pr_blocks_table(a, model_name: str, device: str) -> Table:

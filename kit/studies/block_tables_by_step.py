@@ -36,6 +36,13 @@ class TableSteps:
     prompt_lens: tuple[int, ...]
     steps: tuple[TableStep, ...]
 
+    @property
+    def blocks(self) -> str:
+        """Tokens per block, for titles: each group's where they differ (vLLM gives layers of
+        smaller pages more tokens per block)."""
+        sizes = sorted({g.spec.block_size for g in self.groups})
+        return " or ".join(map(str, sizes)) + " tokens" + (" by group" if len(sizes) > 1 else "")
+
     def rows(self) -> list[dict]:
         """One row per step and group: what the chapter's table and checks read."""
         return [{"step": s.step, "tokens": s.num_computed_tokens, "group": g,
@@ -47,10 +54,13 @@ class TableSteps:
 
 
 def default_prompt_len(groups: tuple[KVCacheGroup, ...], block_size: int) -> int:
-    """The smallest window plus a block less one token (its first block goes back at the
-    first decode step), or two blocks when no layer has a window."""
-    windows = [g.window for g in groups if g.window is not None]
-    return min(windows) + block_size - 1 if windows else 2 * block_size
+    """The smallest window plus a block of its group less one token (its first block goes
+    back at the first decode step), or two blocks when no layer has a window."""
+    windowed = [g for g in groups if g.window is not None]
+    if not windowed:
+        return 2 * block_size
+    first = min(windowed, key=lambda g: g.window)
+    return first.window + first.spec.block_size - 1
 
 
 def _record(tables: GroupedBlockTables, step: int, watched: StepBlocks) -> TableStep:
@@ -94,11 +104,8 @@ def table_steps(arch: ModelConfig, block_size: int, num_blocks: int | None = Non
 def windowed_example(arch: ModelConfig, window: int = 20) -> ModelConfig:
     """`arch` with every second layer sliding over `window` tokens, the chapter's example of
     groups handing back blocks; a model whose layers are not all attention (latent attention,
-    a hybrid's recurrent layers: `Parts.sized_only`), or whose layers' blocks would differ in
-    tokens (Gemma 4's wider global layers: `KVCacheLayout.decode_refusal`), takes no window
-    pattern, so the default preset's model (`tiny`) stands in for it."""
-    if not arch.parts.sized_only:
-        example = with_layer_pattern(arch, 2, window)
-        if not KVCacheLayout.for_model(example, 8, "bfloat16").decode_refusal():
-            return example
-    return with_layer_pattern(ModelConfig.load("tiny"), 2, window)
+    a hybrid's recurrent layers: `Parts.sized_only`) takes no window pattern, so the default
+    preset's model (`tiny`) stands in for it. (Gemma 4 with wider global layers keeps its
+    own: its sliding groups' blocks hold more tokens, `TableSteps.blocks`.)"""
+    return with_layer_pattern(ModelConfig.load("tiny") if arch.parts.sized_only else arch, 2,
+                              window)

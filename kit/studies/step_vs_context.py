@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, with_layer_pattern
-from kit.engine.decode import batch_for_run, make_prompts, step_function
+from kit.engine.decode import batch_for_run, make_prompts, step_for
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.model import build_model
 from kit.measure.roofline import decode_step_cost
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.timing import StepClock, Timings, spread_warning
-from kit.units import Count, Seconds
+from kit.units import Count, Seconds, fmt_bytes
 
 STEPS = 4  # decode steps timed per round
 
@@ -43,6 +43,13 @@ class ContextCurve:
     def medians(self) -> list[float]:
         return [statistics.median(self.steps[n]) for n in self.lengths]
 
+    @property
+    def held_bytes(self) -> list[int]:
+        """What the blocks held cost: a block id is a page in each layer of the widest group,
+        so two layouts' blocks differ in bytes (a window's CPU blocks of 32 tokens against
+        full attention's 16; Gemma 4's one-layer groups against a variant's one group)."""
+        return [n * self.layout.bytes_per_block for n in self.held]
+
     def timing_warnings(self) -> dict[str, str]:
         """Each context length whose steps spread too wide to trust their median
         (`kit.measure.timing.spread_warning`), by "label, N tokens"."""
@@ -58,6 +65,16 @@ class ContextCurve:
         return {"label": self.label, "lengths": Count.of(self.lengths),
                 "blocks_held": Count.of(self.held),
                 **Seconds.of({"median_seconds": self.medians, "floor_seconds": self.floors})}
+
+
+def held_detail(windowed: ContextCurve, full: ContextCurve) -> str:
+    """The blocks each batch held at the longest context, and their bytes where the windowed
+    one held more block ids than the full one (`ContextCurve.held_bytes`)."""
+    line = f"{windowed.held[-1]:,} against {full.held[-1]:,} blocks at {full.lengths[-1]:,} tokens"
+    if windowed.held[-1] < full.held[-1]:
+        return line
+    return (f"{line} ({fmt_bytes(windowed.held_bytes[-1])} against "
+            f"{fmt_bytes(full.held_bytes[-1])}: its blocks cost less)")
 
 
 def variants(arch, window: int) -> dict[str, object]:
@@ -92,7 +109,7 @@ class PrefilledRun:
         self.batch = batch_for_run(layout, lengths, steps, settings.device)
         self.device = settings.device
         self.batch.start(model, make_prompts(lengths, model.arch.vocab_size, settings.seed))
-        self.step = step_function(model, self.batch.max_context_len)
+        self.step = step_for(model, self.batch)
 
     @torch.no_grad()
     def time_steps(self, count: int) -> list[float]:

@@ -71,14 +71,21 @@ def write_kv(kv_cache: torch.Tensor, cache_slice: int, k: torch.Tensor, v: torch
 
     One `index_put_` on the whole cache, indexed by (slice, K or V, block, offset): compiled,
     that is an in-place scatter of just these rows. Written through a view instead (one
-    layer's cache, or the cache flattened), Inductor copied the whole cache on every step."""
-    block_size = kv_cache.shape[3]
+    layer's cache, or the cache flattened), Inductor copied the whole cache on every step.
+    A layer whose token takes r of the cache's rows (`KVCacheLayout.tensor_shape`: Gemma 4's
+    global layers with r times the sliding ones' bytes per token) has blocks of block_size / r
+    tokens, each page the same bytes, as vLLM's (`unify_kv_cache_spec_page_size`): it writes
+    token t of its block at rows t × r to t × r + r - 1."""
+    row = kv_cache.shape[-2:]  # a token of the layers with the fewest bytes per token
+    rows = k.shape[1] * k.shape[2] // (row[0] * row[1])
+    block_size = kv_cache.shape[3] // rows
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    layer = torch.full_like(slot_mapping, cache_slice)
-    kind = torch.cat([torch.zeros_like(slot_mapping), torch.ones_like(slot_mapping)])
-    # (a layer whose heads differ from the cache's, Gemma 4's full layers, fills the same
-    # bytes per token: its K and V rows reshaped to the cache's)
-    row = kv_cache.shape[-2:]
+    if rows > 1:
+        parts = torch.arange(rows, device=slot_mapping.device)
+        block = block[:, None].expand(-1, rows).reshape(-1)
+        offset = (offset[:, None] * rows + parts).reshape(-1)
+    layer = torch.full_like(block, cache_slice)
+    kind = torch.cat([torch.zeros_like(block), torch.ones_like(block)])
     kv_cache.index_put_((torch.cat([layer, layer]), kind, torch.cat([block, block]),
                          torch.cat([offset, offset])),
                         torch.cat([k.reshape(-1, *row), v.reshape(-1, *row)]))
@@ -136,26 +143,26 @@ def paged_decode_attention(q: torch.Tensor, layer_cache: torch.Tensor,
                            max_context_len: int | None = None, scale: float | None = None,
                            window: int | None = None, softcap: float | None = None,
                            sinks: torch.Tensor | None = None, chunk: int | None = None,
-                           zero_masked: bool = False):
-    """One query token per sequence ([seqs, heads, head_dim]) against its cached context: keys and
-    values are gathered through the block table, the first `max_context_len` positions of each
-    sequence's table (all of them by default): every shape depends only on the batch, never on the
-    contexts' lengths, so one compiled graph (or one CUDA graph) serves every step. Positions past a
-    sequence's context (the padding of its last block, or of its table) are masked. With `window`,
-    only the blocks holding the last `window` positions are read (`window_tables`: a fixed number,
-    so a sliding layer's step stops growing once the context passes its window), and older positions
-    among them are masked; with `chunk` (Llama 4), only the blocks of the new token's own chunk,
-    positions before the chunk masked. The scores are scaled by `scale` (default head_dim^-1/2) and
-    capped by `softcap`; the softmax runs in float32, with each head's sink logit (`sinks` [heads],
-    gpt-oss) in its denominator. `zero_masked`: the values at masked positions are zeroed first, for
-    a hybrid, whose pages hold bytes no token wrote there (a recurrent state's: as values they may
-    be NaN, and a weight of 0 times NaN is NaN). vLLM's kernels read only the positions of each
-    context."""
+                           zero_masked: bool = False, kv_heads: int | None = None):
+    """One query token per sequence ([seqs, heads, head_dim]) against its cached context, gathered
+    through the block table: the first `max_context_len` positions of each sequence (default: the
+    table's), so every shape depends on the batch only and one compiled graph (or CUDA graph) serves
+    every step; positions past a context are masked. `window`: only the blocks holding the last
+    `window` positions are read (`window_tables`, a fixed number), older ones masked; `chunk` (Llama
+    4): only the new token's chunk. Scores scaled by `scale` (default head_dim^-1/2), capped by
+    `softcap`, softmax in float32 with each head's sink logit (`sinks` [heads], gpt-oss) in its
+    denominator. `zero_masked`: masked values zeroed first (a hybrid's pages hold states' bytes,
+    maybe NaN, and 0 × NaN is NaN). `kv_heads`: the layer's (default: the cache row's), so a layer
+    whose tokens take r rows has blocks of r times fewer tokens (Gemma 4's wider global layers,
+    `write_kv`); a group of larger blocks than the table was sized for reads only the entries
+    holding `max_context_len` positions."""
     num_seqs, width = block_tables.shape
-    block_size, head_dim = layer_cache.shape[2], q.shape[-1]
-    # the layer's KV heads, where they differ from the cache's shape (Gemma 4's full layers)
-    kv_heads = layer_cache.shape[3] * layer_cache.shape[4] // head_dim
+    head_dim, row = q.shape[-1], layer_cache.shape[3] * layer_cache.shape[4]
+    kv_heads = kv_heads or row // head_dim
+    block_size = layer_cache.shape[2] * row // (kv_heads * head_dim)  # the layer's own
     length, per_kv_head = max_context_len or width * block_size, q.shape[1] // kv_heads
+    if (needed := -(-length // block_size)) < width:  # larger blocks than the table's
+        width, block_tables = needed, block_tables[:, :needed]
     tables, pos = block_tables, torch.arange(length, device=q.device)[None, :]
     blocks = window_blocks(window or chunk, block_size, width)
     first = first_visible(context_lens, window, chunk)
@@ -306,7 +313,8 @@ class Attention(nn.Module):
                                           meta.block_tables[self.kv_group], meta.context_lens,
                                           meta.max_context_len, self.scale, self.window,
                                           self.softcap, self.sinks,
-                                          zero_masked=self.zero_masked)
+                                          zero_masked=self.zero_masked,
+                                          kv_heads=self.num_kv_heads)
         k, v = handed_on[self.kv_source]
         return self.attend(q, k, v, num_seqs)
 
@@ -332,7 +340,8 @@ class Attention(nn.Module):
                                               meta.block_tables[self.kv_group],
                                               meta.context_lens, meta.max_context_len,
                                               self.scale, self.window, self.softcap,
-                                              self.sinks, self.chunk, self.zero_masked)
+                                              self.sinks, self.chunk, self.zero_masked,
+                                              self.num_kv_heads)
 
         def per_seq(t):  # [tokens, heads, dim] -> [seqs, heads, len, dim]
             return t.view(num_seqs, -1, t.shape[1], self.head_dim).transpose(1, 2)
