@@ -116,8 +116,7 @@ def test_the_quicker_way_is_measured_once_per_shape_and_both_ways_agree():
     assert choice in product_choice.measured_choices()
     assert choice.summary()["runs_in"] == ("kernel" if choice.kernel else "oneDNN")
     weight, x = torch.randn(2048, 1024), torch.randn(3, 1024)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 3)
-    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    onednn = product_choice.library_product(x, weight, 3)()
     torch.testing.assert_close(linear_module.weight_products(x, weight), onednn, rtol=1e-5,
                                atol=1e-4)
     torch.testing.assert_close(onednn, x @ weight.T, rtol=1e-5, atol=1e-4)

@@ -80,14 +80,21 @@ def measure(out_features: int, in_features: int, rows: int, threads: int) -> Pro
     """Both ways at `rows` rows on a random weight [out_features, in_features], interleaved."""
     weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05)
     x = torch.empty(rows, in_features).uniform_(-1.0, 1.0)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    ways = (lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-            lambda: weight_products(x, weight))
+    ways = (library_product(x, weight, rows), lambda: weight_products(x, weight))
     calls = max(1, round(ROUND_SECONDS / max(per_call(way) for way in ways)))
     rounds = [[per_call(way, calls) for way in ways] for _ in range(ROUNDS)]
     onednn, kernel = (min(r[i] for r in rounds) for i in (0, 1))
     return ProductChoice(out_features, in_features, rows, threads, onednn, kernel,
                          kernel / onednn)
+
+
+def library_product(x: torch.Tensor, weight: torch.Tensor, rows: int):
+    """The library's product as Inductor's frozen graph calls it: oneDNN's on a weight packed
+    for `rows` rows, or, where this PyTorch has no oneDNN, plain `F.linear`."""
+    if not torch.backends.mkldnn.is_available():
+        return lambda: torch.nn.functional.linear(x, weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def per_call(way, calls: int = 1) -> float:
