@@ -37,6 +37,14 @@ def add_vllm_cli(benchmarks, common) -> None:
     p.set_defaults(func=bench_vllm)
 
 
+def print_dense_choices(choices) -> None:
+    """Which way each large float32 dense product ran, as measured in this run
+    (`kit.engine.layers.product_choice`)."""
+    for c in choices:
+        print(f"dense product {c.out_features} x {c.in_features} at {c.rows} rows: "
+              f"{c.summary()['runs_in']} (kernel ÷ oneDNN {c.ratio:.2f}, measured here)")
+
+
 def parse_modes(text: str | None) -> tuple[str, ...]:
     """`--modes compiled` -> ("compiled",), None -> both; refuses an unknown or repeated mode."""
     from kit.vllm.engine_runs import MODES
@@ -116,9 +124,7 @@ def bench_vllm(args) -> int:
         ratio = result[key]
         print(f"kit's best ÷ vLLM's best, {label}: " + ("n/a" if ratio is None else
               f"{ratio:.2f} (target: at most 1.00)"))
-    for c in measured_choices():
-        print(f"dense product {c.out_features} x {c.in_features} at {c.rows} rows: "
-              f"{c.summary()['runs_in']} (kernel ÷ oneDNN {c.ratio:.2f}, measured here)")
+    print_dense_choices(measured_choices())
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
           "(a shared machine: timings are noisy)")
     print(f"wrote {folder}")
