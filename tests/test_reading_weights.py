@@ -104,7 +104,7 @@ def test_only_large_float32_weights_are_streamed():
 
 def test_the_quicker_way_is_measured_once_per_shape_and_both_ways_agree():
     """`product_choice`: oneDNN's packed product (as Inductor's frozen graph calls it) and the
-    kernel, timed interleaved on this CPU; the kernel is chosen exactly when its quickest round
+    kernel, timed interleaved on this CPU; the kernel is chosen exactly when its quickest call
     took at most KERNEL_MARGIN of oneDNN's, a second ask reuses the first measurement, and
     both ways compute the product."""
     if linear_module.library() is None:

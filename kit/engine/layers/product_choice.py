@@ -13,31 +13,30 @@ How: the two ways as the compiled step calls them, eagerly, on a weight of the s
 (random, so one measurement serves every weight of that shape): oneDNN's packed product
 (`mkldnn._reorder_linear_weight` then `mkldnn._linear_pointwise`, what Inductor's freezing
 emits for a float32 product whose batch is a symbol, `decode_runners.CPU_FLOAT32_DYNAMIC`) and
-the kernel, interleaved over ROUNDS rounds of at least ROUND_SECONDS each; the kernel runs the
-product where its quickest round took at most KERNEL_MARGIN of oneDNN's: the library's own
+the kernel, CALLS calls each in each of ROUNDS interleaved rounds; the kernel runs the product
+where its quickest call took at most KERNEL_MARGIN of oneDNN's: the library's own
 product unless the kit's kernel earns its place (beside a busy test run the two often measured
 level, 0.99-1.01, and a tie is no reason to leave oneDNN). The quickest, not the median: on a
 2-core machine shared with other work a two-thread product waits whenever one of its threads
 is descheduled (seen: both ways at 8.0 ms a call, whatever the shape, beside a test run), and
-the quickest round is what each way does when it has the cores.
+the quickest call is what each way does when it has the cores.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kit.engine.layers.expert_kernel import weight_products
+from kit.measure.timing import interleaved_timings
 
-ROUNDS, ROUND_SECONDS = 9, 0.01
+ROUNDS, CALLS = 9, 3
 KERNEL_MARGIN = 0.95
 
 
 @dataclass(frozen=True)
 class ProductChoice:
-    """One weight shape's measurement: each way's seconds per call at `rows` rows, its
-    quickest round."""
+    """One weight shape's measurement: each way's quickest call at `rows` rows, in seconds."""
 
     out_features: int
     in_features: int
@@ -77,13 +76,15 @@ def measured_choices() -> list[ProductChoice]:
 
 @torch.no_grad()
 def measure(out_features: int, in_features: int, rows: int, threads: int) -> ProductChoice:
-    """Both ways at `rows` rows on a random weight [out_features, in_features], interleaved."""
+    """Both ways at `rows` rows on a random weight [out_features, in_features], CALLS calls a
+    round for ROUNDS interleaved rounds (`kit.measure.timing.interleaved_timings`); each way's
+    quickest call."""
     weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05)
     x = torch.empty(rows, in_features).uniform_(-1.0, 1.0)
-    ways = (library_product(x, weight, rows), lambda: weight_products(x, weight))
-    calls = max(1, round(ROUND_SECONDS / max(per_call(way) for way in ways)))
-    rounds = [[per_call(way, calls) for way in ways] for _ in range(ROUNDS)]
-    onednn, kernel = (min(r[i] for r in rounds) for i in (0, 1))
+    ways = {"oneDNN": library_product(x, weight, rows),
+            "kernel": lambda: weight_products(x, weight)}
+    rounds = interleaved_timings(ways, "cpu", ROUNDS, CALLS)
+    onednn, kernel = (min(min(r.seconds) for r in rounds[way]) for way in ways)
     return ProductChoice(out_features, in_features, rows, threads, onednn, kernel,
                          kernel / onednn)
 
@@ -95,13 +96,3 @@ def library_product(x: torch.Tensor, weight: torch.Tensor, rows: int):
         return lambda: torch.nn.functional.linear(x, weight)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     return lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def per_call(way, calls: int = 1) -> float:
-    """Seconds per call of `way` over `calls` calls (the first call warms it)."""
-    if calls == 1:
-        way()
-    start = time.perf_counter()
-    for _ in range(calls):
-        way()
-    return (time.perf_counter() - start) / calls
