@@ -59,7 +59,7 @@ def test_paged_decode_equals_the_no_cache_reference(key, dtype):
     result = check_against_no_cache(model, prompts, run, dtype)
     assert len(result.errors) == STEPS + 1
     assert result.ok, result.errors
-    assert result.token_agreement > 0.9
+    assert result.agreement_up_to_ties > 0.9
     if dtype == "float32":
         assert result.max_error < 1e-5
 

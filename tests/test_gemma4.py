@@ -176,7 +176,7 @@ def test_wider_global_layers_decode_at_their_own_block_size(dtype):
         assert [len(t) for t in batch.allocator.tables[i]] == [
             -(-(n + steps) // g.spec.block_size) for g in layout.groups]
     result = check_against_no_cache(model, prompts, run, dtype)
-    assert result.ok and result.token_agreement > 0.9, result.errors
+    assert result.ok and result.agreement_up_to_ties > 0.9, result.errors
     assert dtype != "float32" or result.max_error < 1e-5
 
 

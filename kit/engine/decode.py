@@ -401,6 +401,16 @@ class Correctness:
     errors: list[float]            # step 0 is the prefill, then each decode step
     token_agreement: float         # fraction of steps where both pick the same greedy token
     routing: "object | None" = None  # a `kit.engine.routing_replay.Flips` where replayed
+    # fraction of steps whose tokens differ where the reference's best logit is tied (16-bit
+    # logits tie often): its greedy token is any of the tied ones, the run's among them
+    ties: float = 0.0
+
+    @property
+    def agreement_up_to_ties(self) -> float:
+        """The run's greedy token is one the reference could pick as its own, at this share of
+        the steps (a random model's logits tie in 16 bits, and which of the tied tokens argmax
+        returns depends on each CPU's order of summing)."""
+        return self.token_agreement + self.ties
 
     @property
     def max_error(self) -> float:
@@ -425,7 +435,7 @@ def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str,
     sequence i's reference logits (default `no_cache_logits`); `routing`: what it replayed."""
     steps = len(run.step_seconds)
     diff = scale = torch.zeros(steps + 1)
-    same = 0
+    same = tied = 0
     for i, prompt in enumerate(prompts):
         fed = run.tokens[i, :steps]
         ref = no_cache_logits(model, prompt, fed) if reference is None else \
@@ -433,9 +443,12 @@ def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str,
         got = run.logits[:, i].float()
         diff = torch.maximum(diff, (got - ref).abs().amax(-1))
         scale = torch.maximum(scale, ref.abs().amax(-1))
-        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
-    return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(),
-                       same / ((steps + 1) * len(prompts)), routing)
+        agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
+        one_of_best = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1) == ref.amax(-1)
+        same, tied = same + agree, tied + int(one_of_best.sum()) - agree
+    total = (steps + 1) * len(prompts)
+    return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(), same / total, routing,
+                       tied / total)
 
 
 def decode_inputs(settings: Settings, layout: KVCacheLayout, kv_cache: torch.Tensor,
