@@ -10,11 +10,12 @@ import torch
 import kit
 from kit.cli.main import main
 from kit.config import DTYPE_BYTES, TOLERANCE, ModelConfig
-from kit.engine.decode import (batch_for_run, check_against_no_cache, generate, make_prompts,
-                               new_batch, peak_blocks, prefill_function, step_function)
+from kit.engine.decode import (batch_for_run, generate, make_prompts, new_batch, peak_blocks,
+                               prefill_function, step_function)
 from kit.engine.kv_cache import KVCacheLayout, allocate
 from kit.engine.kv_specs import attention_specs
 from kit.engine.model import build_model
+from kit.engine.no_cache import check_against_no_cache
 from kit.errors import ConfigError
 from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
 from kit.measure.step_breakdown import GEMM, SAMPLING, break_down_steps
@@ -544,7 +545,8 @@ EMULATED_AVX2 = """
 import json, torch
 from tests.test_decode import ARCHS, STEPS, paged_run
 from torch.profiler import profile
-from kit.engine.decode import check_against_no_cache, generate
+from kit.engine.decode import generate
+from kit.engine.no_cache import check_against_no_cache
 from kit.engine.decode_runners import compiled_matmul_dtype, decode_runner
 model, prompts, batch, _ = paged_run(ARCHS["gqa"], "bfloat16")
 runner = decode_runner(model, batch, prompts, "guard_free")

@@ -12,9 +12,9 @@ import torch
 import kit
 from kit.config import ModelConfig
 from kit.config.settings import check_runnable
-from kit.engine.decode import check_against_no_cache
 from kit.engine.layers.mla_moe import DeepSeekMoE
 from kit.engine.model import build_model
+from kit.engine.no_cache import check_against_no_cache
 from tests.test_checkpoint import (edit_tensors, kit_model, kit_paged_decode, paged_error,
                                    reference_model, relative_error, spread)
 from tests.test_mla import TINY

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from kit.config import ModelConfig
-from kit.engine.decode import batch_for_run, check_against_no_cache, generate, make_prompts
+from kit.engine.decode import batch_for_run, generate, make_prompts
 from kit.engine.expert_picks import moe_layers, record_picks
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.layers.experts import distinct_experts
 from kit.engine.model import build_model
+from kit.engine.no_cache import check_against_no_cache
 from kit.measure.roofline import decode_step_cost, weight_bytes_per_step
 from kit.engine.kv_specs import attention_specs
 

@@ -156,8 +156,9 @@ def test_wider_global_layers_decode_at_their_own_block_size(dtype):
     every group (a global layer writes a token as 2 rows); each group's table holds its own
     ⌈n ÷ its block⌉ blocks; the paged decode (prompts ending inside and on both groups' blocks,
     one past the window of 64, steps crossing block edges) equals the no-cache reference."""
-    from kit.engine.decode import batch_for_run, check_against_no_cache, generate, make_prompts
+    from kit.engine.decode import batch_for_run, generate, make_prompts
     from kit.engine.model import build_model
+    from kit.engine.no_cache import check_against_no_cache
     arch = ModelConfig.load("tiny-gemma4-wide")
     layout = KVCacheLayout.for_model(arch, 4, dtype)
     assert layout.decode_refusal() is None

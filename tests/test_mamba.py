@@ -10,11 +10,11 @@ import torch
 import kit
 from kit.config import ModelConfig
 from kit.config.settings import check_runnable
-from kit.engine.decode import (batch_for_run, check_against_no_cache, generate, make_prompts,
-                               step_function)
+from kit.engine.decode import batch_for_run, generate, make_prompts, step_function
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.layers.mamba2 import chunked_scan, opaque_chunked_scan
 from kit.engine.model import build_model
+from kit.engine.no_cache import check_against_no_cache
 from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
                                    kit_paged_decode, paged_error, reference_model, relative_error)

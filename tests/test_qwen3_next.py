@@ -11,7 +11,7 @@ import torch
 import kit
 from kit.config import ModelConfig
 from kit.config.settings import check_runnable
-from kit.engine.decode import check_against_no_cache
+from kit.engine.no_cache import check_against_no_cache
 from kit.errors import ConfigError
 from tests.test_checkpoint import (edit_tensors, kit_and_reference_logits, kit_model,
                                    kit_paged_decode, paged_error, reference_model, relative_error)

@@ -146,10 +146,10 @@ def test_a_compiled_decode_step_streams_its_logits_and_equals_the_reference(monk
     kit::expert_products), and the step's logits equal the no-cache reference; a prefill
     runner built after it turns it off."""
     from torch.profiler import profile
-    from kit.engine.decode import (batch_for_run, check_against_no_cache, generate,
-                                   make_prompts)
+    from kit.engine.decode import batch_for_run, generate, make_prompts
     from kit.engine.decode_runners import decode_runner, prefill_runner
     from kit.engine.kv_cache import KVCacheLayout
+    from kit.engine.no_cache import check_against_no_cache
     if linear_module.library() is None:
         pytest.skip("the kernel did not build here")
     threads = torch.get_num_threads()

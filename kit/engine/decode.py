@@ -18,8 +18,8 @@ serves every step. The prefill is a function of tensors too (`prefill_function`)
 default, compiled on the CPU once for any number and length of prompts
 (`kit.engine.decode_runners`).
 
-Correctness first: `no_cache_logits` recomputes every step's logits over the whole sequence
-without any cache, and every strategy's logits must equal them within a tolerance by dtype.
+Correctness first: every strategy's logits must equal those of a run without any cache within a
+tolerance by dtype (`kit.engine.no_cache`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kit.config import TOLERANCE, Settings
+from kit.config import Settings
 from kit.engine.block_manager import NULL_BLOCK, GroupedBlockTables
 from kit.engine.kv_cache import KVCacheLayout, allocate, cache_blocks
 from kit.engine.layers.attention import AttentionMetadata, attention_span
@@ -38,7 +38,6 @@ from kit.engine.model import Decoder
 from kit.errors import ConfigError
 from kit.measure.device import synchronize
 from kit.measure.timing import StepClock
-from kit.units import Fraction, Number
 
 # --- the batch: prompts, and the token positions they occupy in the cache -------------------
 
@@ -374,81 +373,6 @@ def batch_for_run(layout: KVCacheLayout, lengths: list[int], steps: int, device:
     (`peak_blocks`, and `spare_blocks` more)."""
     num_blocks = peak_blocks(layout, lengths, steps) + spare_blocks
     return new_batch(layout, allocate(layout, num_blocks, device), lengths, steps)
-
-
-@torch.no_grad()
-def no_cache_logits(model: Decoder, prompt: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
-    """The logits a run must have produced for one sequence, recomputed without any cache: its
-    prompt and the tokens fed back (`fed`, one per decode step) in one causal forward over the
-    whole sequence; by causality position n - 1 + t holds step t's logits (step 0: the
-    prefill). -> [len(fed) + 1, vocab], float32 on the CPU."""
-    device = next(model.parameters()).device
-    ids = torch.cat([prompt, fed]).to(device)[None]
-    hidden = model(ids)[0, len(prompt) - 1:]
-    return model.compute_logits(hidden).float().cpu()
-
-
-@dataclass
-class Correctness:
-    """How far a paged run's logits are from the no-cache reference, step by step: the largest
-    |paged - reference| over the batch, relative to the reference logits' largest magnitude.
-    An MoE's reference replays the run's routing (`kit.engine.routing_replay`): `routing`
-    then says where the reference's own router would have picked otherwise, and how close
-    those picks were."""
-
-    dtype: str
-    tolerance: float
-    errors: list[float]            # step 0 is the prefill, then each decode step
-    token_agreement: float         # fraction of steps where both pick the same greedy token
-    routing: "object | None" = None  # a `kit.engine.routing_replay.Flips` where replayed
-    # fraction of steps whose tokens differ where the reference's best logit is tied (16-bit
-    # logits tie often): its greedy token is any of the tied ones, the run's among them
-    ties: float = 0.0
-
-    @property
-    def agreement_up_to_ties(self) -> float:
-        """The run's greedy token is one the reference could pick as its own, at this share of
-        the steps (a random model's logits tie in 16 bits, and which of the tied tokens argmax
-        returns depends on each CPU's order of summing)."""
-        return self.token_agreement + self.ties
-
-    @property
-    def max_error(self) -> float:
-        return max(self.errors)
-
-    @property
-    def ok(self) -> bool:
-        return self.max_error <= self.tolerance and (self.routing is None or self.routing.ok)
-
-    def summary(self) -> dict:
-        routing = {} if self.routing is None else {"routing": self.routing.summary()}
-        return {"dtype": self.dtype, **Number.of({"tolerance": self.tolerance,
-                                                  "max_error": self.max_error}),
-                "ok": self.ok, "token_agreement": Fraction(self.token_agreement),
-                "errors": Number.of(self.errors), **routing}
-
-
-def check_against_no_cache(model: Decoder, prompts, run: Generation, dtype: str,
-                           reference=None, routing=None) -> Correctness:
-    """Compare every step's logits of `run` with the no-cache reference, one sequence at a time
-    (so only one sequence's reference logits are held at once). `reference(i, prompt, fed)`:
-    sequence i's reference logits (default `no_cache_logits`); `routing`: what it replayed."""
-    steps = len(run.step_seconds)
-    diff = scale = torch.zeros(steps + 1)
-    same = tied = 0
-    for i, prompt in enumerate(prompts):
-        fed = run.tokens[i, :steps]
-        ref = no_cache_logits(model, prompt, fed) if reference is None else \
-            reference(i, prompt, fed)
-        got = run.logits[:, i].float()
-        diff = torch.maximum(diff, (got - ref).abs().amax(-1))
-        scale = torch.maximum(scale, ref.abs().amax(-1))
-        agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
-        one_of_best = ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1) == ref.amax(-1)
-        same, tied = same + agree, tied + int(one_of_best.sum()) - agree
-    total = (steps + 1) * len(prompts)
-    return Correctness(dtype, TOLERANCE[dtype], (diff / scale).tolist(), same / total, routing,
-                       tied / total)
 
 
 def decode_inputs(settings: Settings, layout: KVCacheLayout, kv_cache: torch.Tensor,

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import TOLERANCE
-from kit.engine.decode import (Correctness, PagedBatch, check_against_no_cache,
-                               generate, no_cache_logits, prefill_order, step_for)
+from kit.engine.decode import PagedBatch, generate, prefill_order, step_for
 from kit.engine.expert_picks import moe_layers
 from kit.engine.layers.experts import noting_picks
+from kit.engine.no_cache import Correctness, check_against_no_cache, no_cache_logits
 from kit.units import Count, Number
 
 

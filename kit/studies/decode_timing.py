@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import Settings, reference
-from kit.engine.decode import Correctness, PagedBatch, decode_inputs, generate
+from kit.engine.decode import PagedBatch, decode_inputs, generate
 from kit.engine.decode_fit import CacheFit, decode_budget, early_fit, fit_in_cache
 from kit.engine.decode_runners import SharedPrefill, warm_up
+from kit.engine.no_cache import Correctness
 from kit.engine.runners import CompiledGraphs
 from kit.engine.expert_picks import moe_layers, record_picks
 from kit.engine.kv_cache import KVCacheLayout, allocate
@@ -32,8 +33,7 @@ from kit.engine.model import Decoder, build_model, weights_bytes
 from kit.measure.device import cpu_kind, describe, versions
 from kit.measure.dtype_speed import DtypeSpeed, beside_float32, hardware_figures
 from kit.measure.memory import cuda_usage
-from kit.measure.roofline import (DeviceLimits, StepCost, decode_step_cost,
-                                  measure_limits)
+from kit.measure.roofline import DeviceLimits, StepCost, decode_step_cost, measure_limits
 from kit.measure.throughput import copy_bandwidth
 from kit.measure.step_breakdown import StepBreakdown, break_down_steps
 from kit.measure.timing import Timings, load_warning, spread_warning, verdict_line

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kit.config import DTYPE_BYTES, ModelConfig, Settings
-from kit.engine.decode import (Correctness, batch_for_run, check_against_no_cache, generate,
-                               make_prompts)
+from kit.engine.decode import batch_for_run, generate, make_prompts
 from kit.engine.expert_picks import record_picks
 from kit.engine.kv_cache import KVCacheLayout
 from kit.engine.layers.experts import expected_distinct_experts, one_moe_layer
 from kit.engine.model import build_model
+from kit.engine.no_cache import Correctness, check_against_no_cache
 from kit.measure.roofline import decode_step_cost
 from kit.measure.timing import Timings, spread_warning
 from kit.units import Count, Number, Seconds
