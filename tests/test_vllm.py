@@ -670,3 +670,17 @@ def test_mistral_and_gemma3_concurrency_through_vllms_code(published):
             kit_curve = [kv_cache_config(layout, 8 * 2**30, n, "CPU", 2048).max_concurrency
                          for n in lens]
             assert kit_curve == getattr(curve, key), (curve.model, key)
+
+
+@pytest.mark.vllm
+def test_a_compiled_engine_started_again_loads_its_compiled_model(tmp_path):
+    """vLLM 0.32 with torch 2.13 cannot load back what its AOT compile saved (on by default),
+    so each start of the same model compiled anew; the kit starts vLLM on the CPU with its
+    other compile cache (`kit.vllm.installed.compile_cache_that_loads`): the second start of
+    the same compiled engine loads its model instead of compiling it again."""
+    settings = kit.load("cpu-small", block_size=128, kv_cache_memory_bytes="96MiB")
+    runs = [run_settings(settings, "compiled", tmp_path, decode=False) for _ in range(2)]
+    assert all(r.ok for r in runs), [r.error for r in runs]
+    assert runs[1].compilation_mode != "NONE"
+    again = [line for line in runs[1].log if "Compiling model again" in line]
+    assert not again, again
