@@ -231,3 +231,21 @@ def test_the_cuda_graphs_estimate_and_every_padding_line(tmp_path):
     off = rows["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0"]
     assert off.max_concurrency > rows["as logged"].max_concurrency
     assert any("0.5413" in p for p in your_vllm.pitfalls(ex))
+
+
+@pytest.mark.vllm
+def test_a_compiled_model_not_loaded_back_is_a_pitfall():
+    """A log whose engine compiled again because its compile cache did not load (vLLM 0.32's
+    AOT cache with torch 2.13) says what every start then costs and what loads instead; the
+    same log without that line names no such pitfall, and its numbers agree as before."""
+    from kit.studies import your_vllm
+    from kit.vllm.log_numbers import explain
+    text = (LOGS / "cpu-tiny.log").read_text()
+    failed = text + ("\n12:00:00.000 WARNING [vllm.compilation.decorators] [backbone] Compiling "
+                     "model again due to a load failure from /cache/rank_0_0/model, reason: "
+                     "'function' object has no attribute 'finalize_loading'\n")
+    plain, again = (explain(read_log(t), "tiny") for t in (text, failed))
+    [pitfall] = [p for p in your_vllm.pitfalls(again) if "compiled the model again" in p]
+    assert "VLLM_USE_AOT_COMPILE=0" in pitfall
+    assert not [p for p in your_vllm.pitfalls(plain) if "compiled the model again" in p]
+    assert verdicts(again) == verdicts(plain)

@@ -77,7 +77,7 @@ def pitfalls(ex: Explained) -> list[str]:
     """The pitfalls the log shows, each with its cause in this model's terms."""
     out = [p for p in (windows_pitfall(ex), block_pitfall(ex), padding_pitfall(ex),
                        states_pitfall(ex), graphs_pitfall(ex), tp_pitfall(ex),
-                       too_long_pitfall(ex)) if p]
+                       too_long_pitfall(ex), compile_cache_pitfall(ex)) if p]
     return out
 
 
@@ -158,6 +158,17 @@ def tp_pitfall(ex: Explained) -> str | None:
     return (f"{total} KV heads over {tp} ranks: each rank keeps {per_rank} (heads are "
             "replicated when there are fewer than ranks), so the ranks past the heads' count "
             "add no tokens.")
+
+
+def compile_cache_pitfall(ex: Explained) -> str | None:
+    if "compile_reloaded_failed" not in ex.log.numbers:
+        return None
+    return ("vLLM compiled the model again instead of loading what an earlier start compiled "
+            "(\"Compiling model again due to a load failure\"): every start pays the compile. "
+            "vLLM 0.32 with torch 2.13 cannot load back what its AOT compile saved "
+            "(VLLM_USE_AOT_COMPILE, its default from torch 2.10); VLLM_USE_AOT_COMPILE=0 takes "
+            "its other compile cache, which loads (a start of the kit's tiny model on 2 CPU "
+            "cores: 19.4 s against 12.5 s).")
 
 
 def too_long_pitfall(ex: Explained) -> str | None:

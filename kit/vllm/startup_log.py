@@ -57,6 +57,8 @@ LINES = {
     "too_long_tokens": ("max_model_len above the cache's tokens",
                         r"max seq len \(" + NUM + r"\) is larger than the maximum number of "
                         r"tokens that can be stored in KV cache \(" + NUM + r"\)"),
+    "compile_reloaded_failed": ("the compiled model not loaded back from vLLM's cache (no number)",
+                                r"Compiling model again due to a load failure"),
     "too_long_gib": ("one max_model_len request above the cache's memory",
                      r"max seq len \(" + NUM + r"\), \(" + GIB + r" KV cache is needed, which is "
                      r"larger than the available KV cache memory \(" + GIB + r"\)"),
