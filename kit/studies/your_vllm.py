@@ -161,7 +161,7 @@ def tp_pitfall(ex: Explained) -> str | None:
 
 
 def compile_cache_pitfall(ex: Explained) -> str | None:
-    if "compile_reloaded_failed" not in ex.log.numbers:
+    if "compiled_again" not in ex.log.numbers:
         return None
     return ("vLLM compiled the model again instead of loading what an earlier start compiled "
             "(\"Compiling model again due to a load failure\"): every start pays the compile. "

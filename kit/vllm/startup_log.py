@@ -15,7 +15,8 @@ from kit.errors import ConfigError
 
 NUM = r"(-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?)"
 GIB = NUM + r" ?Gi?B"
-# Each number the kit reads: its key, what it is, and the pattern whose groups hold it.
+# Each number the kit reads: its key, what it is, and the pattern whose groups hold it (a
+# pattern without groups: a line whose presence is what the kit reads).
 LINES = {
     "weights_gib": ("the weights loaded",
                     r"(?:Model loading took|Loading model weights took) " + GIB),
@@ -57,8 +58,8 @@ LINES = {
     "too_long_tokens": ("max_model_len above the cache's tokens",
                         r"max seq len \(" + NUM + r"\) is larger than the maximum number of "
                         r"tokens that can be stored in KV cache \(" + NUM + r"\)"),
-    "compile_reloaded_failed": ("the compiled model not loaded back from vLLM's cache (no number)",
-                                r"Compiling model again due to a load failure"),
+    "compiled_again": ("the compiled model compiled again, not loaded from vLLM's cache",
+                       r"Compiling model again due to a load failure"),
     "too_long_gib": ("one max_model_len request above the cache's memory",
                      r"max seq len \(" + NUM + r"\), \(" + GIB + r" KV cache is needed, which is "
                      r"larger than the available KV cache memory \(" + GIB + r"\)"),
