@@ -435,6 +435,38 @@ def test_the_compiled_cpu_step_runs_onednn_prepacked_linears(gqa_runs, dtype):
     assert result.ok, result.errors
 
 
+def test_a_frozen_step_comes_from_inductors_cache_with_the_models_own_weights():
+    """The compiled CPU step's graph, its weights frozen and packed for oneDNN, goes to
+    Inductor's FX graph cache instead of bypassing it; a model of the same shapes with other
+    weights compiling its step again loads that graph (a cache hit, nothing generated) and
+    multiplies by its own weights: its logits equal its own no-cache reference, not the
+    first model's (kit/engine/frozen_graph_cache.py)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from kit.engine.decode_runners import decode_runner
+    if not inductor_config.fx_graph_cache:
+        pytest.skip("Inductor's FX graph cache is off (TORCHINDUCTOR_FX_GRAPH_CACHE=0)")
+    a, runs = ARCHS["gqa"], []
+    for seed in (0, 1):
+        model = build_model(a, "float32", "cpu", seed=seed)
+        batch = batch_for_run(KVCacheLayout.for_model(a, BLOCK_SIZE, "float32"), LENGTHS, STEPS,
+                              "cpu", 3)
+        prompts = make_prompts(LENGTHS, a.vocab_size, seed=1)
+        before = dict(counters["inductor"])
+        runner = decode_runner(model, batch, prompts, "guard_free")
+        seen = {k: counters["inductor"][k] - before.get(k, 0) for k in counters["inductor"]}
+        run = generate(model, batch, prompts, STEPS, step=runner)
+        runner.discard()
+        assert seen.get("mkldnn_linear_weight_pack_matcher_count", 0) > 0, seen  # packed
+        assert seen.get("fxgraph_cache_bypass", 0) == 0, seen
+        result = check_against_no_cache(model, prompts, run, "float32")
+        assert result.ok and result.errors[0] < 1e-4, result.errors
+        runs.append(run)
+    assert seen.get("fxgraph_cache_hit", 0) == 1, seen  # the second model's compile
+    assert not torch.allclose(runs[0].logits, runs[1].logits)
+
+
 def test_a_runner_compiles_its_own_shapes_after_another_batchs_runner(gqa_runs):
     """Dynamo remembers the sizes a function saw by its file, line and name, which every
     runner's copy of the step shares: a runner built after one for a batch of other shapes

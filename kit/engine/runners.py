@@ -33,6 +33,7 @@ times each size's warm-up runs and capture together).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 import weakref
@@ -40,6 +41,7 @@ import weakref
 import torch
 
 from kit.config import STRATEGIES
+from kit.engine.frozen_graph_cache import packed_weights_cached
 from kit.errors import ConfigError
 from kit.measure.device import synchronize
 
@@ -97,9 +99,10 @@ class CompiledGraphs:
     strategies differ in how a call reaches the compiled code (guards, no guards, Dynamo's
     bytecode called directly), not in the code: Dynamo traces the same FX graph for each, so the
     first runner compiles it and the others take its output. On the CPU this is where the time
-    goes (freezing's oneDNN-packed weights keep Inductor's own FX graph cache from holding the
-    graph: 20-30 s a strategy for cpu-small's decode step on AVX2), and each frozen graph holds
-    its own copy of the weights. A graph is reused only for the same FX code, inputs of the same
+    goes (Inductor's own FX graph cache, which frozen graphs enter through
+    `packed_weights_cached`, still runs the freezing passes before it looks up the graph: 4 s
+    a strategy for cpu-small's decode step on a Zen 4, 10 s emulating AVX2, against 11 and 16 s
+    generating it), and each frozen graph holds its own copy of the weights. A graph is reused only for the same FX code, inputs of the same
     shapes, strides and dtypes, the same parameter and buffer objects at the same versions
     (what freezing folds in) and the same Inductor settings. The caller scopes it (one study's
     runners) and clears it: the graphs it holds keep their frozen weights alive."""
@@ -422,6 +425,9 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
         batch = example_args[min(dims, default=0)].shape[0]
         runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch), shared)
     # Dynamo reads some of these too (freezing: parameters become constants), so they hold
-    # for the whole first call, which traces and compiles.
-    with torch._inductor.config.patch(inductor_config or {}):
+    # for the whole first call, which traces and compiles. Frozen weights packed for oneDNN
+    # would keep the graph out of Inductor's cache: `packed_weights_cached` lets it in.
+    frozen = (inductor_config or {}).get("freezing", False)
+    with torch._inductor.config.patch(inductor_config or {}), \
+            packed_weights_cached() if frozen else contextlib.nullcontext():
         return runner.warm(tuple(example_args))
