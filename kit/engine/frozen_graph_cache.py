@@ -12,7 +12,7 @@ tiny's prefill or decode step on a 2-core Zen 4. Inside `packed_weights_cached()
 mkldnn weight is keyed as any other frozen weight (its shape and dtype) and so never needs
 pickling; anything else is checked as Inductor checks it. The same graph's second compile then
 loads the generated code, with the weights of the model compiling it (docs/measurements.md,
-"Compiling on the CPU").
+"The kit's compile cache on the CPU").
 """
 from __future__ import annotations
 
