@@ -97,15 +97,16 @@ def count_guards(guard_manager) -> int:
 class CompiledGraphs:
     """Inductor's output kept for the runners of one model and one batch. The compiled
     strategies differ in how a call reaches the compiled code (guards, no guards, Dynamo's
-    bytecode called directly), not in the code: Dynamo traces the same FX graph for each, so the
-    first runner compiles it and the others take its output. On the CPU this is where the time
-    goes (Inductor's own FX graph cache, which frozen graphs enter through
-    `packed_weights_cached`, still runs the freezing passes before it looks up the graph: 4 s
-    a strategy for cpu-small's decode step on a Zen 4, 10 s emulating AVX2, against 11 and 16 s
-    generating it), and each frozen graph holds its own copy of the weights. A graph is reused only for the same FX code, inputs of the same
-    shapes, strides and dtypes, the same parameter and buffer objects at the same versions
-    (what freezing folds in) and the same Inductor settings. The caller scopes it (one study's
-    runners) and clears it: the graphs it holds keep their frozen weights alive."""
+    bytecode called directly), not in the code: Dynamo traces the same FX graph for each, so
+    the first runner compiles it and the others take its output. On the CPU this is where the
+    time goes (Inductor's own FX graph cache, which frozen graphs enter through
+    `packed_weights_cached`, still runs the freezing passes before it looks up the graph: 4 s a
+    strategy for cpu-small's decode step on a Zen 4, 10 s emulating AVX2, against 11 and 16 s
+    generating it), and each frozen graph holds its own copy of the weights. A graph is reused
+    only for the same FX code, inputs of the same shapes, strides and dtypes, the same
+    parameter and buffer objects at the same versions (what freezing folds in) and the same
+    Inductor settings. The caller scopes it (one study's runners) and clears it: the graphs it
+    holds keep their frozen weights alive."""
 
     def __init__(self):
         self.graphs = {}  # key -> (compiled graph, the strategy that compiled it)
