@@ -33,7 +33,6 @@ times each size's warm-up runs and capture together).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 import types
 import weakref
@@ -427,8 +426,7 @@ def make_runner(fn, strategy: str, device: str, example_args: tuple,
         runner = CUDAGraphs(fn, device, dims, capture_sizes or capture_sizes_up_to(batch), shared)
     # Dynamo reads some of these too (freezing: parameters become constants), so they hold
     # for the whole first call, which traces and compiles. Frozen weights packed for oneDNN
-    # would keep the graph out of Inductor's cache: `packed_weights_cached` lets it in.
-    frozen = (inductor_config or {}).get("freezing", False)
-    with torch._inductor.config.patch(inductor_config or {}), \
-            packed_weights_cached() if frozen else contextlib.nullcontext():
+    # would keep the graph out of Inductor's cache: `packed_weights_cached` lets them in (and
+    # changes nothing for a graph without them).
+    with torch._inductor.config.patch(inductor_config or {}), packed_weights_cached():
         return runner.warm(tuple(example_args))
